@@ -1,0 +1,61 @@
+"""The worker registry: heartbeats with a TTL; a worker whose key expired is dead."""
+
+from __future__ import annotations
+
+import msgspec
+import redis.asyncio as aioredis
+
+from schemas.names import RedisKeys
+from schemas.status import WorkerStatus, status_decoder, status_encoder
+
+# One round trip for the whole view: read every registered worker's status and reap the ids whose
+# status key has expired, returning both so the caller can sweep a dead worker's KV index entries.
+_LIST_LIVE = """
+local ids = redis.call('SMEMBERS', KEYS[1])
+local live, dead = {}, {}
+for _, id in ipairs(ids) do
+  local v = redis.call('GET', ARGV[1] .. id)
+  if v then
+    table.insert(live, v)
+  else
+    redis.call('SREM', KEYS[1], id)
+    table.insert(dead, id)
+  end
+end
+return {live, dead}
+"""
+
+
+class Registry:
+    """Publish, remove and list worker statuses."""
+
+    def __init__(self, client: aioredis.Redis, keys: RedisKeys) -> None:
+        self._redis = client
+        self._keys = keys
+        self._list_live = client.register_script(_LIST_LIVE)
+
+    async def publish(self, status: WorkerStatus, ttl_s: float) -> None:
+        """Write one heartbeat; the status disappears after `ttl_s` without another."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(self._keys.worker(status.worker_id), status_encoder.encode(status), px=int(ttl_s * 1000))
+            pipe.sadd(self._keys.workers(), status.worker_id)
+            await pipe.execute()
+
+    async def remove(self, worker_id: str) -> None:
+        """Leave the registry at once (drain or clean exit)."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._keys.worker(worker_id))
+            pipe.srem(self._keys.workers(), worker_id)
+            await pipe.execute()
+
+    async def snapshot(self) -> tuple[list[WorkerStatus], list[str]]:
+        """Live workers, and the ids found dead (and reaped) by this call."""
+        live_raw, dead_raw = await self._list_live(keys=[self._keys.workers()], args=[self._keys.worker("")])
+        live: list[WorkerStatus] = []
+        for raw in live_raw:
+            try:
+                live.append(status_decoder.decode(raw))
+            except msgspec.DecodeError:
+                # A status written by an incompatible version: treat that worker as absent, not fatal.
+                continue
+        return live, [d.decode() if isinstance(d, bytes) else d for d in dead_raw]

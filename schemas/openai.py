@@ -1,0 +1,272 @@
+"""The OpenAI HTTP API: requests as clients send them, responses and stream chunks as OpenAI returns them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
+
+# Ranges follow the OpenAI API reference; anything outside is a 400 before a worker sees it.
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+N = Annotated[int, Meta(ge=1, le=128)]
+MaxTokens = Annotated[int, Meta(ge=1)]
+TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
+    """`stream_options`: whether the last chunk carries usage."""
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class TextPart(msgspec.Struct, tag_field="type", tag="text"):
+    """A text content part of a chat message."""
+
+    text: str
+
+
+class ImageURLPart(msgspec.Struct, tag_field="type", tag="image_url"):
+    """An image content part; parsed so that it can be refused with a clear message."""
+
+    image_url: dict[str, str | None]
+
+
+class InputAudioPart(msgspec.Struct, tag_field="type", tag="input_audio"):
+    """An audio content part; parsed so that it can be refused with a clear message."""
+
+    input_audio: dict[str, str]
+
+
+ContentPart = TextPart | ImageURLPart | InputAudioPart
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True):
+    """One message of a conversation."""
+
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and text completions (OpenAI's, plus vLLM's common extensions)."""
+
+    model: str
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: N = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    user: str | None = None
+    # vLLM extensions, sent by clients through `extra_body`.
+    top_k: int = -1
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    add_generation_prompt: bool = True
+
+
+# msgspec allows one array type per union, so the four OpenAI prompt shapes (a string, strings,
+# token ids, lists of token ids) decode as one and are told apart when the request is preprocessed.
+PromptInput = str | list[str | TokenId | list[TokenId]]
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    """POST /v1/completions."""
+
+    prompt: PromptInput
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct):
+    """Prompt tokens served from the KV cache."""
+
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct):
+    """Token accounting of a whole request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(msgspec.Struct):
+    """One alternative token in chat logprobs."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    """One sampled token in chat logprobs."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    """`choices[].logprobs` of a chat completion."""
+
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """`choices[].logprobs` of a text completion (the legacy format)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class AssistantMessage(msgspec.Struct):
+    """The message of a non-streamed chat choice."""
+
+    role: Literal["assistant"]
+    content: str | None
+    refusal: None = None
+
+
+class ChatChoice(msgspec.Struct):
+    """One choice of a chat completion."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    """A whole chat completion."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    """What a chat stream chunk adds to one choice."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    """One choice of a chat stream chunk."""
+
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    """One `chat.completion.chunk` event."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    system_fingerprint: str | None = None
+    # UNSET is omitted; None is sent as null (every chunk when include_usage is on, as OpenAI does).
+    usage: Usage | UnsetType | None = UNSET
+
+
+class CompletionChoice(msgspec.Struct):
+    """One choice of a text completion, whole or as a stream delta."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """A text completion, or one chunk of a streamed one."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    system_fingerprint: str | None = None
+    usage: Usage | UnsetType | None = UNSET
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    """One entry of GET /v1/models."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ferry"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    """GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(msgspec.Struct):
+    """The body of an OpenAI-style error."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    """`{"error": {...}}`, the shape every 4xx/5xx body and in-band stream error takes."""
+
+    error: ErrorDetail
+
+
+json_encoder = msgspec.json.Encoder()
+chat_request_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+completion_request_decoder = msgspec.json.Decoder(CompletionRequest)

@@ -1,0 +1,212 @@
+"""One settings object per process, filled from command-line flags and `FERRY_*` environment variables.
+
+Each field of a settings class becomes a flag (`worker_id` -> `--worker-id`) whose default comes from
+the environment (`FERRY_WORKER_ID`) and then from the class. The launcher passes settings to child
+processes as flags, so the names here are a contract between processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import secrets
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+ENV_PREFIX = "FERRY_"
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+def default_home() -> Path:
+    """Where Ferry keeps prepared models and other local state."""
+    return Path(os.environ.get("FERRY_HOME", Path.home() / ".cache" / "ferry"))
+
+
+def default_model_path() -> str:
+    """The directory `ferry model prepare` builds the default model into."""
+    return os.environ.get("FERRY_MODEL_DIR", str(default_home() / "models" / DEFAULT_MODEL_NAME))
+
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclasses.dataclass(kw_only=True)
+class CommonSettings:
+    """Where the shared services are."""
+
+    kafka: str = dataclasses.field(default="127.0.0.1:9092", metadata=_help("Kafka bootstrap servers"))
+    redis: str = dataclasses.field(default="redis://127.0.0.1:6379/0", metadata=_help("Redis URL"))
+    redis_prefix: str = dataclasses.field(default="ferry:", metadata=_help("prefix of every Redis key"))
+    model_path: str = dataclasses.field(
+        default_factory=default_model_path, metadata=_help("model directory (tokenizer, config)")
+    )
+    served_model_name: str = dataclasses.field(
+        default=DEFAULT_MODEL_NAME, metadata=_help("model name clients ask for")
+    )
+    heartbeat_interval_s: float = dataclasses.field(
+        default=1.0, metadata=_help("seconds between worker heartbeats; a worker is dead after 3 missed")
+    )
+    log_level: str = dataclasses.field(default="info", metadata=_help("debug, info, warning, error"))
+
+
+@dataclasses.dataclass(kw_only=True)
+class FrontendSettings(CommonSettings):
+    """Settings of one frontend process (`ferry frontend`)."""
+
+    host: str = dataclasses.field(default="127.0.0.1", metadata=_help("HTTP bind address"))
+    port: int = dataclasses.field(default=8000, metadata=_help("HTTP port"))
+    frontend_id: str = dataclasses.field(
+        default_factory=lambda: f"fe-{secrets.token_hex(4)}",
+        metadata=_help("unique id; names this frontend's replies topic"),
+    )
+    router_policy: Literal["round_robin", "random", "least_loaded"] = dataclasses.field(
+        default="least_loaded", metadata=_help("how to pick a worker")
+    )
+    max_concurrent_requests: int = dataclasses.field(
+        default=2048, metadata=_help("requests in flight before new ones get 503")
+    )
+    max_body_bytes: int = dataclasses.field(default=8 << 20, metadata=_help("largest accepted request body"))
+    sse_keepalive_s: float = dataclasses.field(
+        default=15.0, metadata=_help("send an SSE comment after this long without data")
+    )
+    request_timeout_s: float = dataclasses.field(
+        default=600.0, metadata=_help("give up on a request with no progress for this long")
+    )
+    kafka_timeout_s: float = dataclasses.field(
+        default=5.0, metadata=_help("how long a produce may take before the request gets 503")
+    )
+    tokenize_threshold_chars: int = dataclasses.field(
+        default=2048, metadata=_help("tokenize prompts longer than this off the event loop")
+    )
+    log_prompts: bool = dataclasses.field(default=False, metadata=_help("write prompts to the log"))
+
+
+@dataclasses.dataclass(kw_only=True)
+class WorkerSettings(CommonSettings):
+    """Settings of one worker process (`ferry worker`)."""
+
+    worker_id: str = dataclasses.field(
+        default_factory=lambda: f"w-{secrets.token_hex(4)}",
+        metadata=_help("unique id; names this worker's requests topic"),
+    )
+    engine: Literal["sim"] = dataclasses.field(default="sim", metadata=_help("inference engine"))
+    max_model_len: int = dataclasses.field(
+        default=0, metadata=_help("context length; 0 = the model's own (config.json)")
+    )
+    block_size: int = dataclasses.field(default=64, metadata=_help("KV block size in tokens"))
+    num_blocks: int = dataclasses.field(default=16384, metadata=_help("sim: KV blocks in the pool"))
+    max_num_seqs: int = dataclasses.field(default=256, metadata=_help("sequences batched per step"))
+    max_num_batched_tokens: int = dataclasses.field(default=8192, metadata=_help("token budget per step"))
+    speedup: float = dataclasses.field(default=1.0, metadata=_help("sim: divide simulated step time by this"))
+    metrics_host: str = dataclasses.field(default="127.0.0.1", metadata=_help("bind address of /metrics"))
+    metrics_port: int = dataclasses.field(default=0, metadata=_help("port of /metrics; 0 = any free port"))
+    drain_grace_s: float = dataclasses.field(
+        default=30.0, metadata=_help("on SIGTERM, how long in-flight requests may take to finish")
+    )
+
+
+S = TypeVar("S")
+
+
+def _scalar_type(tp: Any) -> tuple[Any, list[Any] | None]:
+    """The converter and choices for one annotated field type."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = list(typing.get_args(tp))
+        return type(choices[0]), choices
+    if origin in (types.UnionType, typing.Union):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _scalar_type(inner[0])
+    return tp, None
+
+
+def build_parser(cls: type[Any], parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one flag per settings field, defaults taken from FERRY_* variables."""
+    parser = parser or argparse.ArgumentParser()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        env = ENV_PREFIX + f.name.upper()
+        conv, choices = _scalar_type(hints[f.name])
+        help_text = f"{f.metadata.get('help', '')} [env {env}]"
+        if conv is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, type=conv, choices=choices, default=None, help=help_text)
+    return parser
+
+
+def from_namespace(cls: type[S], ns: argparse.Namespace, environ: typing.Mapping[str, str] | None = None) -> S:
+    """Settings from parsed flags, then FERRY_* variables, then defaults."""
+    environ = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        flag_value = getattr(ns, f.name, None)
+        if flag_value is not None:
+            values[f.name] = flag_value
+            continue
+        raw = environ.get(ENV_PREFIX + f.name.upper())
+        if raw is None:
+            continue
+        conv, choices = _scalar_type(hints[f.name])
+        value = raw.strip().lower() in ("1", "true", "yes", "on") if conv is bool else conv(raw)
+        if choices is not None and value not in choices:
+            raise SystemExit(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: expected one of {choices}")
+        values[f.name] = value
+    return cls(**values)
+
+
+def load(cls: type[S], argv: Sequence[str] | None = None, prog: str | None = None) -> S:
+    """Parse `argv` into a settings object of type `cls`."""
+    parser = build_parser(cls, argparse.ArgumentParser(prog=prog, description=cls.__doc__))
+    return from_namespace(cls, parser.parse_args(argv))
+
+
+def to_argv(settings: Any, only: Sequence[str] | None = None) -> list[str]:
+    """Flags that reproduce `settings` (or the named fields of it) in a child process."""
+    out: list[str] = []
+    for f in dataclasses.fields(settings):
+        if only is not None and f.name not in only:
+            continue
+        value = getattr(settings, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+@dataclasses.dataclass(kw_only=True)
+class StackSettings:
+    """Settings of `ferry up`: the whole system on one machine."""
+
+    workers: int = dataclasses.field(default=2, metadata=_help("number of workers to start"))
+    engine: Literal["sim"] = dataclasses.field(default="sim", metadata=_help("engine of every worker"))
+    host: str = dataclasses.field(default="127.0.0.1", metadata=_help("frontend bind address"))
+    port: int = dataclasses.field(default=8000, metadata=_help("frontend port; 0 = any free port"))
+    kafka: str = dataclasses.field(default="", metadata=_help("use this Kafka instead of the embedded broker"))
+    redis: str = dataclasses.field(default="", metadata=_help("use this Redis instead of an embedded one"))
+    redis_prefix: str = dataclasses.field(default="ferry:", metadata=_help("prefix of every Redis key"))
+    model_path: str = dataclasses.field(default_factory=default_model_path, metadata=_help("model directory"))
+    served_model_name: str = dataclasses.field(default=DEFAULT_MODEL_NAME, metadata=_help("model name"))
+    router_policy: Literal["round_robin", "random", "least_loaded"] = dataclasses.field(
+        default="least_loaded", metadata=_help("how the frontend picks a worker")
+    )
+    speedup: float = dataclasses.field(default=1.0, metadata=_help("sim: divide simulated step time by this"))
+    block_size: int = dataclasses.field(default=64, metadata=_help("KV block size in tokens"))
+    num_blocks: int = dataclasses.field(default=16384, metadata=_help("sim: KV blocks per worker"))
+    max_model_len: int = dataclasses.field(default=0, metadata=_help("context length; 0 = the model's"))
+    heartbeat_interval_s: float = dataclasses.field(default=1.0, metadata=_help("worker heartbeat period"))
+    log_level: str = dataclasses.field(default="info", metadata=_help("debug, info, warning, error"))
+    ready_timeout_s: float = dataclasses.field(
+        default=120.0, metadata=_help("give up if the stack is not ready within this many seconds")
+    )

@@ -1,0 +1,29 @@
+"""What a worker publishes about itself in the Redis registry."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class WorkerStatus(msgspec.Struct, omit_defaults=True):
+    """One heartbeat: identity, capacity and load of a worker."""
+
+    worker_id: str
+    model: str
+    engine: str
+    block_size: int
+    total_blocks: int
+    max_model_len: int
+    started_at: float
+    heartbeat_at: float
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_hit_rate: float = 0.0
+    draining: bool = False
+    lora_adapters: list[str] = []
+    metrics_url: str = ""
+
+
+status_encoder = msgspec.msgpack.Encoder()
+status_decoder: msgspec.msgpack.Decoder[WorkerStatus] = msgspec.msgpack.Decoder(WorkerStatus)

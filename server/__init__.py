@@ -1,0 +1,1 @@
+"""The frontend: HTTP routes, preprocessing, routing, reply demultiplexing, SSE; the `ferry` CLI."""

@@ -1,0 +1,326 @@
+"""The frontend's Starlette app: routes, one lifespan that owns every background component."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvstore.registry import Registry
+from schemas.kafka import ErrorInfo
+from schemas.names import RedisKeys, reply_topic
+from schemas.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    chat_request_decoder,
+    completion_request_decoder,
+    json_encoder,
+)
+from schemas.settings import FrontendSettings
+from server.errors import APIError, from_validation_error, model_not_found
+from server.generation import Generation, Services, new_id
+from server.kafka_io import Dispatcher, ReplyDemux
+from server.metrics import FrontendMetrics
+from server.model_files import ModelFiles
+from server.pool import WorkerPool
+from server.preprocess import Preprocessor
+from server.responses import (
+    LogprobFormatter,
+    chat_full,
+    chat_stream,
+    completion_full,
+    completion_stream,
+)
+from server.router import Router
+from server.sse import SSEResponse
+
+log = logging.getLogger("ferry.frontend")
+
+T = TypeVar("T")
+
+
+class Frontend:
+    """Everything one frontend process runs, started and stopped together."""
+
+    def __init__(self, settings: FrontendSettings) -> None:
+        self.settings = settings
+        self.metrics = FrontendMetrics()
+        self.model = ModelFiles.load(Path(settings.model_path), settings.served_model_name)
+        self.pre = Preprocessor(self.model, settings.tokenize_threshold_chars)
+        self.fmt = LogprobFormatter(self.model)
+        self.router = Router(settings.router_policy)
+        self.started = int(time.time())
+        self.inflight = 0
+        self.svc: Services | None = None
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Connect to Redis and Kafka, start the registry view and reply consumer; undo on exit."""
+        s = self.settings
+        redis = aioredis.from_url(s.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
+        registry = Registry(redis, RedisKeys(s.redis_prefix))
+        demux = ReplyDemux(s.kafka, reply_topic(s.frontend_id))
+
+        def on_dead(worker_id: str) -> None:
+            n = demux.fail_worker(
+                worker_id, ErrorInfo("worker_died", f"worker {worker_id} stopped responding", retriable=True)
+            )
+            if n:
+                self.metrics.worker_failures.inc(n)
+                log.error("worker %s died with %d sequence(s) in flight; they failed", worker_id, n)
+
+        pool = WorkerPool(registry, s.heartbeat_interval_s / 2, self.metrics, on_dead)
+        producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(redis.aclose)
+            await producer.start()
+            stack.push_async_callback(producer.stop)
+            await demux.start()
+            stack.push_async_callback(demux.stop)
+            await pool.start()
+            stack.push_async_callback(pool.stop)
+            self.svc = Services(
+                frontend_id=s.frontend_id,
+                reply_topic=demux.topic,
+                pool=pool,
+                router=self.router,
+                dispatcher=Dispatcher(producer, s.kafka_timeout_s, self.metrics),
+                demux=demux,
+                metrics=self.metrics,
+                request_timeout_s=s.request_timeout_s,
+                keepalive_s=s.sse_keepalive_s,
+            )
+            log.info(
+                "frontend %s serving %s on http://%s:%d (policy %s, %d worker(s) live)",
+                s.frontend_id, s.served_model_name, s.host, s.port, s.router_policy, len(pool.workers),
+            )
+            yield
+            log.info("frontend %s stopping", s.frontend_id)
+
+    # ---- helpers ---------------------------------------------------------------------------------
+
+    async def body(self, request: Request) -> bytes:
+        """The request body, refusing anything over the size limit without reading it all."""
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"Request body larger than {limit} bytes.", code="body_too_large")
+        parts: list[bytes] = []
+        size = 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise APIError(413, f"Request body larger than {limit} bytes.", code="body_too_large")
+            parts.append(part)
+        return b"".join(parts)
+
+    def max_model_len(self, model: str) -> int:
+        """Context length of `model`: 404 if not served here, 503 if no worker is up."""
+        if model != self.settings.served_model_name:
+            raise model_not_found(model)
+        lens = self.svc.pool.models() if self.svc else {}
+        if model not in lens:
+            raise APIError(
+                503, f"No live worker serves the model `{model}` right now.", code="no_workers", retry_after=1
+            )
+        return lens[model]
+
+    def admit(self) -> None:
+        """Refuse work over the concurrency limit."""
+        if self.inflight >= self.settings.max_concurrent_requests:
+            raise APIError(503, "The server is at capacity; try again shortly.", code="overloaded", retry_after=1)
+
+
+def _decode(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
+    try:
+        return decoder.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise from_validation_error(exc) from None
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnect()
+    return task.result()
+
+
+def _handler(endpoint: str) -> Callable[[Callable[[Frontend, Request], Awaitable[Response]]], Any]:
+    """Wrap a route: errors become OpenAI bodies, in-flight and status are counted."""
+
+    def wrap(fn: Callable[[Frontend, Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def route(request: Request) -> Response:
+            fe: Frontend = request.app.state.frontend
+            fe.inflight += 1
+            fe.metrics.inflight.inc()
+            t0 = time.perf_counter()
+            status = 500
+            try:
+                response = await fn(fe, request)
+                status = response.status_code if isinstance(response, Response) else 200
+                return response
+            except APIError as err:
+                status = err.status
+                return err.response()
+            except ClientDisconnect:
+                status = 499
+                return Response(status_code=499)
+            finally:
+                fe.inflight -= 1
+                fe.metrics.inflight.dec()
+                fe.metrics.requests.labels(endpoint, str(status)).inc()
+                if status == 200:
+                    fe.metrics.e2e.observe(time.perf_counter() - t0)
+
+        return route
+
+    return wrap
+
+
+def _headers(gen: Generation) -> dict[str, str]:
+    return {
+        "x-request-id": gen.id,
+        "x-ferry-worker": ",".join(gen.worker_ids),
+        "x-ferry-predicted-cached-blocks": str(gen.predicted_cached_blocks),
+    }
+
+
+async def _start(fe: Frontend, model: str, prepared: Any, prefix: str) -> Generation:
+    assert fe.svc is not None
+    fe.metrics.prompt_tokens.inc(sum(len(p) for p in prepared.prompts))
+    gen = Generation(fe.svc, model, prepared, new_id(prefix))
+    await gen.start()
+    return gen
+
+
+@_handler("chat")
+async def chat_completions(fe: Frontend, request: Request) -> Response:
+    """POST /v1/chat/completions."""
+    fe.admit()
+    req: ChatCompletionRequest = _decode(chat_request_decoder, await fe.body(request))
+    max_len = fe.max_model_len(req.model)
+    t0 = time.perf_counter()
+    prepared = await fe.pre.chat(req, max_len)
+    fe.metrics.tokenize_seconds.observe(time.perf_counter() - t0)
+    if fe.settings.log_prompts:
+        log.info("chat prompt: %r", prepared.prompt_texts[0])
+    gen = await _start(fe, req.model, prepared, "chatcmpl")
+    if prepared.stream:
+        return SSEResponse(chat_stream(gen, fe.fmt), _headers(gen))  # type: ignore[return-value]
+    try:
+        result = await _until_disconnect(request, chat_full(gen, fe.fmt))
+    finally:
+        await gen.close()
+    return Response(json_encoder.encode(result), headers=_headers(gen), media_type="application/json")
+
+
+@_handler("completions")
+async def completions(fe: Frontend, request: Request) -> Response:
+    """POST /v1/completions."""
+    fe.admit()
+    req: CompletionRequest = _decode(completion_request_decoder, await fe.body(request))
+    max_len = fe.max_model_len(req.model)
+    t0 = time.perf_counter()
+    prepared = await fe.pre.completion(req, max_len)
+    fe.metrics.tokenize_seconds.observe(time.perf_counter() - t0)
+    gen = await _start(fe, req.model, prepared, "cmpl")
+    if prepared.stream:
+        return SSEResponse(completion_stream(gen, fe.fmt, req.echo), _headers(gen))  # type: ignore[return-value]
+    try:
+        result = await _until_disconnect(request, completion_full(gen, fe.fmt, req.echo))
+    finally:
+        await gen.close()
+    return Response(json_encoder.encode(result), headers=_headers(gen), media_type="application/json")
+
+
+@_handler("models")
+async def list_models(fe: Frontend, request: Request) -> Response:
+    """GET /v1/models: the model this frontend serves, with its context length once a worker is up."""
+    lens = fe.svc.pool.models() if fe.svc else {}
+    name = fe.settings.served_model_name
+    card = ModelCard(id=name, created=fe.started, root=str(fe.model.path), max_model_len=lens.get(name))
+    return Response(json_encoder.encode(ModelList(data=[card])), media_type="application/json")
+
+
+async def health(request: Request) -> Response:
+    """GET /health: the process is alive."""
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    """GET /ready: 200 once a live worker serves the model (`?model=` or this frontend's)."""
+    fe: Frontend = request.app.state.frontend
+    model = request.query_params.get("model", fe.settings.served_model_name)
+    workers = fe.svc.pool.live(model) if fe.svc else []
+    body = {"ready": bool(workers), "model": model, "workers": [w.worker_id for w in workers]}
+    return JSONResponse(body, status_code=200 if workers else 503)
+
+
+async def metrics(request: Request) -> Response:
+    """GET /metrics in the Prometheus text format."""
+    fe: Frontend = request.app.state.frontend
+    return Response(generate_latest(fe.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def not_found(request: Request, exc: Exception) -> Response:
+    """Unknown paths get an OpenAI-style 404 too."""
+    return APIError(404, f"Unknown path {request.url.path}", code="not_found").response()
+
+
+async def method_not_allowed(request: Request, exc: Exception) -> Response:
+    """Wrong method on a known path."""
+    return APIError(405, f"Method {request.method} not allowed on {request.url.path}", code="method_not_allowed").response()
+
+
+def create_app(settings: FrontendSettings) -> Starlette:
+    """The ASGI app of one frontend."""
+    fe = Frontend(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with fe.running():
+            yield
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/ready", ready, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+        exception_handlers={404: not_found, 405: method_not_allowed},
+    )
+    app.state.frontend = fe
+    return app

@@ -1,0 +1,55 @@
+"""The `ferry` command: up, frontend, worker, model prepare."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+USAGE = """usage: ferry COMMAND [flags]
+
+commands:
+  up              the whole system on this machine: embedded Kafka and Redis, a frontend, N workers
+  frontend        one frontend process (OpenAI API)
+  worker          one worker process (engine behind a Kafka topic)
+  model prepare   build the default model directory (SmolLM2-135M-Instruct) once
+
+Run `ferry COMMAND --help` for the flags of a command. Every flag can also be set through a
+FERRY_<FLAG> environment variable (e.g. --kafka -> FERRY_KAFKA).
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch to a subcommand."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    cmd, rest = args[0], args[1:]
+    if cmd == "up":
+        import uvloop
+
+        from schemas.settings import StackSettings, load
+        from server.stack import run_stack
+
+        settings = load(StackSettings, rest, prog="ferry up")
+        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return uvloop.run(run_stack(settings))
+    if cmd == "frontend":
+        from server.frontend_main import main as frontend_main
+
+        return frontend_main(rest)
+    if cmd == "worker":
+        # The frontend package never imports the worker's; a worker is its own process.
+        os.execv(sys.executable, [sys.executable, "-m", "workers", *rest])
+    if cmd == "model" and rest[:1] == ["prepare"]:
+        from server.model_prepare import main as prepare_main
+
+        return prepare_main(rest[1:])
+    print(f"ferry: unknown command {' '.join(args[:2])!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

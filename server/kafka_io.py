@@ -1,0 +1,151 @@
+"""The frontend's Kafka traffic: requests out to worker topics, replies in from its own topic."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+
+from schemas.kafka import Cancel, ErrorInfo, GenerateRequest, reply_decoder, request_encoder
+from schemas.names import request_topic
+from server.errors import APIError
+from server.metrics import FrontendMetrics
+from server.streams import ClientStream
+
+log = logging.getLogger("ferry.frontend")
+
+
+class Dispatcher:
+    """Produces GenerateRequests and Cancels to worker topics."""
+
+    def __init__(self, producer: AIOKafkaProducer, timeout_s: float, metrics: FrontendMetrics) -> None:
+        self._producer = producer
+        self._timeout_s = timeout_s
+        self._metrics = metrics
+        self._broker_ok = True
+
+    async def submit(self, worker_id: str, request: GenerateRequest) -> None:
+        """Hand one request to a worker; 503 if the broker does not acknowledge it in time."""
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(
+                self._producer.send_and_wait(
+                    request_topic(worker_id), request_encoder.encode(request), key=request.request_id.encode()
+                ),
+                self._timeout_s,
+            )
+        except (KafkaError, TimeoutError) as exc:
+            self._metrics.kafka_errors.inc()
+            if self._broker_ok:
+                log.error("Kafka did not take a request (%r); answering 503 until it does", exc)
+                self._broker_ok = False
+            raise APIError(
+                503, "The message broker is unavailable; try again shortly.", code="broker_unavailable",
+                retry_after=2,
+            ) from exc
+        if not self._broker_ok:
+            log.info("Kafka is taking requests again")
+            self._broker_ok = True
+        self._metrics.kafka_produce_seconds.observe(time.perf_counter() - t0)
+
+    async def cancel(self, worker_id: str, request_id: str) -> None:
+        """Ask a worker to abort a request; best effort (the worker also drops late requests)."""
+        try:
+            await self._producer.send(
+                request_topic(worker_id), request_encoder.encode(Cancel(request_id)), key=request_id.encode()
+            )
+        except KafkaError as exc:
+            log.warning("could not send cancel for %s: %r", request_id, exc)
+
+
+class ReplyDemux:
+    """Reads this frontend's replies topic and hands each chunk to the waiting client stream."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.topic = topic
+        self._bootstrap = bootstrap
+        self._by_request: dict[str, ClientStream] = {}
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.failed: BaseException | None = None
+
+    async def start(self) -> None:
+        """Create the topic and position at its end before any request can be sent."""
+        admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(self.topic, num_partitions=1, replication_factor=1)])
+        except TopicAlreadyExistsError:
+            pass
+        finally:
+            await admin.close()
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=self._bootstrap, enable_auto_commit=False, fetch_max_wait_ms=100
+        )
+        await self._consumer.start()
+        tp = TopicPartition(self.topic, 0)
+        self._consumer.assign([tp])
+        await self._consumer.seek_to_end(tp)
+        # Resolve the end offset now: a lazy seek could skip replies to the first requests.
+        await self._consumer.position(tp)
+        self._task = asyncio.create_task(self._run(), name="reply-demux")
+
+    async def stop(self) -> None:
+        """Stop reading."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+    def register(self, stream: ClientStream) -> None:
+        """Route chunks of every sequence of `stream` to it."""
+        if self.failed is not None:
+            raise APIError(503, "The reply stream of this frontend is down.", code="frontend_unavailable")
+        for rid in stream.sequences:
+            self._by_request[rid] = stream
+
+    def unregister(self, stream: ClientStream) -> None:
+        """Stop routing chunks to `stream` (late chunks are then dropped)."""
+        for rid in stream.sequences:
+            self._by_request.pop(rid, None)
+
+    def fail_worker(self, worker_id: str, error: ErrorInfo) -> int:
+        """End every sequence running on `worker_id` with `error`; returns how many."""
+        n = 0
+        for rid, stream in list(self._by_request.items()):
+            seq = stream.sequences.get(rid)
+            if seq is not None and seq.worker_id == worker_id and not seq.finished:
+                stream.fail(rid, error)
+                n += 1
+        return n
+
+    async def _run(self) -> None:
+        assert self._consumer is not None
+        try:
+            while True:
+                batches = await self._consumer.getmany(timeout_ms=1000, max_records=2048)
+                for records in batches.values():
+                    for record in records:
+                        try:
+                            chunk = reply_decoder.decode(record.value)
+                        except Exception as exc:
+                            log.error("dropping an undecodable reply: %r", exc)
+                            continue
+                        stream = self._by_request.get(chunk.request_id)
+                        if stream is not None:
+                            stream.put(chunk)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            # Nobody else would ever answer the waiting streams: fail them all, loudly.
+            log.exception("the reply consumer died")
+            self.failed = exc
+            error = ErrorInfo("frontend_unavailable", f"reply consumer failed: {exc!r}", retriable=True)
+            for rid, stream in list(self._by_request.items()):
+                stream.fail(rid, error)
+            raise

@@ -1,0 +1,104 @@
+"""The frontend's view of live workers, refreshed from the Redis registry in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from kvstore.registry import Registry
+from schemas.status import WorkerStatus
+from server.metrics import FrontendMetrics
+
+log = logging.getLogger("ferry.frontend")
+
+
+class WorkerPool:
+    """Live workers by model; the router reads it without a Redis round trip per request."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        refresh_s: float,
+        metrics: FrontendMetrics,
+        on_dead: Callable[[str], None],
+    ) -> None:
+        self._registry = registry
+        self._refresh_s = refresh_s
+        self._metrics = metrics
+        self._on_dead = on_dead
+        self.workers: dict[str, WorkerStatus] = {}
+        self.redis_ok = True
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Load the registry once, then keep refreshing it."""
+        try:
+            await self.refresh()
+        except Exception as exc:
+            self._mark_down(exc)
+        self._task = asyncio.create_task(self._loop(), name="worker-pool")
+
+    async def stop(self) -> None:
+        """Stop refreshing."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def live(self, model: str) -> list[WorkerStatus]:
+        """Workers of `model` that take new requests."""
+        return [w for w in self.workers.values() if w.model == model and not w.draining]
+
+    def models(self) -> dict[str, int]:
+        """Served models and the smallest context length among their workers."""
+        out: dict[str, int] = {}
+        for w in self.workers.values():
+            out[w.model] = min(out.get(w.model, w.max_model_len), w.max_model_len)
+        return out
+
+    async def wait_changed(self) -> None:
+        """Wait for the next refresh that changed the set of workers."""
+        self._changed.clear()
+        await self._changed.wait()
+
+    async def refresh(self) -> None:
+        """Read the registry now."""
+        t0 = time.perf_counter()
+        live, dead = await self._registry.snapshot()
+        self._metrics.redis_seconds.labels("registry").observe(time.perf_counter() - t0)
+        new = {w.worker_id: w for w in live}
+        gone = (set(self.workers) - set(new)) | set(dead)
+        added = set(new) - set(self.workers)
+        self.workers = new
+        for wid in added:
+            log.info("worker %s joined (model %s, engine %s)", wid, new[wid].model, new[wid].engine)
+        for wid in gone:
+            log.warning("worker %s left the registry", wid)
+            self._on_dead(wid)
+        self._metrics.live_workers.set(len(new))
+        if added or gone:
+            self._changed.set()
+
+    def _mark_down(self, exc: BaseException) -> None:
+        self._metrics.redis_errors.inc()
+        if self.redis_ok:
+            log.error("Redis unreachable (%r): keeping the last known %d worker(s)", exc, len(self.workers))
+            self.redis_ok = False
+            self._metrics.redis_up.set(0)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh_s)  # the refresh period
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._mark_down(exc)
+                continue
+            if not self.redis_ok:
+                log.info("Redis reachable again")
+                self.redis_ok = True
+                self._metrics.redis_up.set(1)

@@ -1,0 +1,208 @@
+"""From a validated OpenAI request to token ids, a token budget and sampling parameters."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from schemas.kafka import SamplingParams
+from schemas.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ImageURLPart,
+    InputAudioPart,
+    SamplingFields,
+    TextPart,
+)
+from server.errors import APIError
+from server.model_files import ModelFiles
+
+# OpenAI's default for /v1/completions; chat defaults to whatever the context leaves.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready to be fanned out: one token list per prompt, `n` choices each."""
+
+    prompts: list[list[int]]
+    prompt_texts: list[str]
+    max_tokens: int
+    sampling: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    priority: int
+
+
+def _flatten_content(content: str | list[Any] | None, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts: list[str] = []
+    for j, part in enumerate(content):
+        if isinstance(part, TextPart):
+            parts.append(part.text)
+        elif isinstance(part, ImageURLPart | InputAudioPart):
+            raise APIError(
+                400,
+                "This model accepts only text content parts.",
+                param=f"messages[{index}].content[{j}]",
+                code="unsupported_content",
+            )
+    return "\n".join(parts)
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as plain dicts for the chat template, with content parts joined into text."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(req.messages):
+        msg: dict[str, Any] = {"role": m.role, "content": _flatten_content(m.content, i)}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if any(s == "" for s in stops):
+        raise APIError(400, "Stop sequences must not be empty strings.", param="stop", code="invalid_value")
+    return stops
+
+
+def _sampling(req: SamplingFields, logprobs: int | None) -> SamplingParams:
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        stop=_stop_list(req.stop),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+def _budget(requested: int | None, longest_prompt: int, max_model_len: int, param: str, what: str) -> int:
+    if longest_prompt >= max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your {what} "
+            f"resulted in {longest_prompt} tokens. Please reduce the length of the {what}.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return max_model_len - longest_prompt
+    if longest_prompt + requested > max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{longest_prompt + requested} tokens ({longest_prompt} in the {what}, {requested} in the "
+            f"completion). Please reduce the length of the {what} or completion.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+class Preprocessor:
+    """Applies the chat template and tokenizes, off the event loop when the prompt is long."""
+
+    def __init__(self, model: ModelFiles, threshold_chars: int) -> None:
+        self.model = model
+        self._threshold = threshold_chars
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) > self._threshold:
+            return await asyncio.to_thread(self.model.encode, text, add_special_tokens)
+        return self.model.encode(text, add_special_tokens)
+
+    async def chat(self, req: ChatCompletionRequest, max_model_len: int) -> Prepared:
+        """Template, tokenize and budget a chat request."""
+        messages = chat_messages(req)
+        size = sum(len(m["content"]) for m in messages)
+        if size > self._threshold:
+            text = await asyncio.to_thread(self.model.render_chat, messages, req.add_generation_prompt)
+        else:
+            text = self.model.render_chat(messages, req.add_generation_prompt)
+        # The template already wrote the special tokens.
+        ids = await self._encode(text, add_special_tokens=False)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = _budget(requested, len(ids), max_model_len, "messages", "messages")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return Prepared(
+            prompts=[ids],
+            prompt_texts=[text],
+            max_tokens=max_tokens,
+            sampling=_sampling(req, logprobs),
+            n=req.n,
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            priority=req.priority,
+        )
+
+    async def completion(self, req: CompletionRequest, max_model_len: int) -> Prepared:
+        """Tokenize (or accept token ids) and budget a text completion request."""
+        if req.suffix:
+            raise APIError(400, "`suffix` is not supported by this model.", param="suffix", code="unsupported")
+        prompts, texts = await self._prompts(req.prompt)
+        longest = max(len(p) for p in prompts)
+        requested = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        max_tokens = _budget(requested, longest, max_model_len, "prompt", "prompt")
+        return Prepared(
+            prompts=prompts,
+            prompt_texts=texts,
+            max_tokens=max_tokens,
+            sampling=_sampling(req, req.logprobs),
+            n=req.n,
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            priority=req.priority,
+        )
+
+    async def _prompts(self, prompt: str | list[Any]) -> tuple[list[list[int]], list[str]]:
+        """The four OpenAI prompt shapes, as token lists and their texts."""
+        vocab = self.model.vocab_size
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif not prompt:
+            raise APIError(400, "The prompt must not be empty.", param="prompt", code="invalid_value")
+        elif all(isinstance(p, int) for p in prompt):
+            items = [list(prompt)]
+        elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+            items = list(prompt)
+        else:
+            raise APIError(
+                400,
+                "The prompt must be a string, a list of strings, a list of token ids, or a list of lists of "
+                "token ids.",
+                param="prompt",
+                code="invalid_type",
+            )
+        prompts: list[list[int]] = []
+        texts: list[str] = []
+        for item in items:
+            if isinstance(item, str):
+                ids = await self._encode(item, add_special_tokens=True)
+                text = item
+            else:
+                ids = list(item)
+                if any(t >= vocab for t in ids):
+                    raise APIError(
+                        400, f"Token ids must be below the vocabulary size {vocab}.", param="prompt",
+                        code="invalid_value",
+                    )
+                text = self.model.decode(ids, skip_special_tokens=False)
+            if not ids:
+                raise APIError(400, "The prompt must not be empty.", param="prompt", code="invalid_value")
+            prompts.append(ids)
+            texts.append(text)
+        return prompts, texts

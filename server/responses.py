@@ -1,0 +1,260 @@
+"""Turning worker chunks into OpenAI responses and stream events, for chat and text completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from msgspec import UNSET
+
+from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, TokenLogprob
+from schemas.openai import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    Delta,
+    ErrorDetail,
+    ErrorResponse,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+    json_encoder,
+)
+from server.generation import Generation, error_status
+from server.model_files import ModelFiles
+from server.sse import DONE, KEEPALIVE, event
+from server.streams import Sequence
+
+_encode = json_encoder.encode
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: ChunkUsage | None = None
+
+
+def _finish(reason: str | None) -> str | None:
+    # "abort" only reaches a client that is gone; report it as "stop" if anyone is still reading.
+    return "stop" if reason == "abort" else reason
+
+
+def total_usage(gen: Generation, states: dict[int, ChoiceState]) -> Usage:
+    """Usage of a whole request: each prompt counted once, completions summed."""
+    n = gen.prepared.n
+    prompt = sum(len(p) for p in gen.prepared.prompts)
+    completion = sum(s.usage.completion_tokens for s in states.values() if s.usage)
+    cached = 0
+    for pi in range(len(gen.prepared.prompts)):
+        cached += max(
+            (states[c].usage.cached_tokens for c in range(pi * n, (pi + 1) * n) if states[c].usage),  # type: ignore[union-attr]
+            default=0,
+        )
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
+
+
+def _group(batch: list[tuple[Sequence, Chunk]]) -> dict[int, list[Chunk]]:
+    out: dict[int, list[Chunk]] = {}
+    for seq, chunk in batch:
+        out.setdefault(seq.choice, []).append(chunk)
+    return out
+
+
+def _error_event(error: ErrorInfo) -> bytes:
+    status = error_status(error)
+    detail = ErrorDetail(error.message, status.body().error.type, None, error.code)
+    return event(_encode(ErrorResponse(detail)))
+
+
+def _record(gen: Generation, state: ChoiceState, chunks: list[Chunk]) -> None:
+    for c in chunks:
+        if c.finish_reason is not None:
+            state.finish_reason = c.finish_reason
+        if c.usage is not None:
+            state.usage = c.usage
+            m = gen.svc.metrics
+            m.completion_tokens.inc(c.usage.completion_tokens)
+            m.cached_tokens.inc(c.usage.cached_tokens)
+
+
+class LogprobFormatter:
+    """Token ids to the strings OpenAI shows in logprobs."""
+
+    def __init__(self, model: ModelFiles) -> None:
+        self._model = model
+
+    def token(self, token_id: int) -> str:
+        """The text of one token as it would appear in the output."""
+        return self._model.decode([token_id], skip_special_tokens=False)
+
+    def chat(self, entries: list[TokenLogprob]) -> ChatLogprobs:
+        """Chat-style logprobs."""
+        content = []
+        for e in entries:
+            tok = self.token(e.token_id)
+            tops = [TopLogprob(self.token(t), lp, list(self.token(t).encode())) for t, lp in e.top]
+            content.append(ChatTokenLogprob(tok, e.logprob, list(tok.encode()), tops))
+        return ChatLogprobs(content)
+
+    def completion(self, entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+        """Legacy completion-style logprobs, text offsets counted from `offset`."""
+        tokens, lps, tops, offsets = [], [], [], []
+        for e in entries:
+            tok = self.token(e.token_id)
+            tokens.append(tok)
+            lps.append(e.logprob)
+            tops.append({self.token(t): lp for t, lp in e.top} or None)
+            offsets.append(offset)
+            offset += len(tok)
+        return CompletionLogprobs(tokens, lps, tops, offsets)
+
+
+# ---- chat ----------------------------------------------------------------------------------------
+
+
+async def chat_stream(gen: Generation, fmt: LogprobFormatter) -> AsyncIterator[bytes]:
+    """`chat.completion.chunk` events, `usage` last when asked for, then `[DONE]`."""
+    p = gen.prepared
+    usage_field = None if p.include_usage else UNSET
+    states = {c: ChoiceState() for c in range(p.n)}
+    eid = 0
+    try:
+        for c in range(p.n):
+            role = ChatChunkChoice(c, Delta(role="assistant", content=""))
+            yield event(_encode(ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.model,
+                                                    choices=[role], usage=usage_field)), eid)
+            eid += 1
+        async for batch in gen.chunks():
+            if not batch:
+                yield KEEPALIVE
+                continue
+            for choice, chunks in _group(batch).items():
+                state = states[choice]
+                _record(gen, state, chunks)
+                last = chunks[-1]
+                if last.error is not None:
+                    yield _error_event(last.error)
+                    yield DONE
+                    return
+                text = "".join(c.text for c in chunks)
+                entries = [e for c in chunks for e in c.logprobs]
+                if not text and last.finish_reason is None and not entries:
+                    continue
+                logprobs = fmt.chat(entries) if p.sampling.logprobs is not None else None
+                delta = Delta(content=text) if text or last.finish_reason is None else Delta()
+                out = ChatChunkChoice(choice, delta, logprobs, _finish(last.finish_reason))
+                yield event(_encode(ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.model,
+                                                        choices=[out], usage=usage_field)), eid)
+                eid += 1
+        if p.include_usage:
+            yield event(_encode(ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.model, choices=[],
+                                                    usage=total_usage(gen, states))), eid)
+        yield DONE
+    finally:
+        await gen.close()
+
+
+async def collect(gen: Generation) -> dict[int, ChoiceState]:
+    """Every choice's whole output; raises APIError if a sequence failed."""
+    total = len(gen.prepared.prompts) * gen.prepared.n
+    states = {c: ChoiceState() for c in range(total)}
+    async for batch in gen.chunks():
+        for choice, chunks in _group(batch).items():
+            state = states[choice]
+            _record(gen, state, chunks)
+            for c in chunks:
+                if c.error is not None:
+                    raise error_status(c.error)
+                state.text.append(c.text)
+                state.logprobs.extend(c.logprobs)
+    return states
+
+
+async def chat_full(gen: Generation, fmt: LogprobFormatter) -> ChatCompletion:
+    """A whole `chat.completion`."""
+    states = await collect(gen)
+    choices = [
+        ChatChoice(
+            index=c,
+            message=AssistantMessage("assistant", "".join(s.text)),
+            logprobs=fmt.chat(s.logprobs) if gen.prepared.sampling.logprobs is not None else None,
+            finish_reason=_finish(s.finish_reason),
+        )
+        for c, s in sorted(states.items())
+    ]
+    return ChatCompletion(id=gen.id, created=gen.created, model=gen.model, choices=choices,
+                          usage=total_usage(gen, states))
+
+
+# ---- text completions ----------------------------------------------------------------------------
+
+
+async def completion_stream(gen: Generation, fmt: LogprobFormatter, echo: bool) -> AsyncIterator[bytes]:
+    """`text_completion` chunk events, `usage` last when asked for, then `[DONE]`."""
+    p = gen.prepared
+    usage_field = None if p.include_usage else UNSET
+    total = len(p.prompts) * p.n
+    states = {c: ChoiceState() for c in range(total)}
+    offsets = {c: 0 for c in range(total)}
+    eid = 0
+
+    def chunk(choices: list[CompletionChoice], usage: object = usage_field) -> bytes:
+        return event(_encode(Completion(id=gen.id, created=gen.created, model=gen.model, choices=choices,
+                                        usage=usage)), eid)  # type: ignore[arg-type]
+
+    try:
+        if echo:
+            for c in range(total):
+                text = p.prompt_texts[c // p.n]
+                offsets[c] = len(text)
+                yield chunk([CompletionChoice(c, text)])
+                eid += 1
+        async for batch in gen.chunks():
+            if not batch:
+                yield KEEPALIVE
+                continue
+            for choice, chunks in _group(batch).items():
+                state = states[choice]
+                _record(gen, state, chunks)
+                last = chunks[-1]
+                if last.error is not None:
+                    yield _error_event(last.error)
+                    yield DONE
+                    return
+                text = "".join(c.text for c in chunks)
+                entries = [e for c in chunks for e in c.logprobs]
+                if not text and last.finish_reason is None and not entries:
+                    continue
+                logprobs = fmt.completion(entries, offsets[choice]) if p.sampling.logprobs is not None else None
+                offsets[choice] += len(text)
+                yield chunk([CompletionChoice(choice, text, logprobs, _finish(last.finish_reason))])
+                eid += 1
+        if p.include_usage:
+            yield chunk([], total_usage(gen, states))
+        yield DONE
+    finally:
+        await gen.close()
+
+
+async def completion_full(gen: Generation, fmt: LogprobFormatter, echo: bool) -> Completion:
+    """A whole `text_completion`."""
+    p = gen.prepared
+    states = await collect(gen)
+    choices = []
+    for c, s in sorted(states.items()):
+        prefix = p.prompt_texts[c // p.n] if echo else ""
+        logprobs = fmt.completion(s.logprobs, len(prefix)) if p.sampling.logprobs is not None else None
+        choices.append(CompletionChoice(c, prefix + "".join(s.text), logprobs, _finish(s.finish_reason)))
+    return Completion(id=gen.id, created=gen.created, model=gen.model, choices=choices,
+                      usage=total_usage(gen, states))

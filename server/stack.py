@@ -1,0 +1,114 @@
+"""`ferry up`: broker, Redis, workers and a frontend on one machine, stopped together."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from schemas.settings import StackSettings
+from server.services import Child, free_port, start_broker, start_redis
+
+log = logging.getLogger("ferry.stack")
+
+
+def _worker_argv(s: StackSettings, kafka: str, redis: str, index: int) -> list[str]:
+    return [
+        sys.executable, "-m", "workers",
+        "--worker-id", f"worker-{index}",
+        "--engine", s.engine,
+        "--kafka", kafka,
+        "--redis", redis,
+        "--redis-prefix", s.redis_prefix,
+        "--model-path", s.model_path,
+        "--served-model-name", s.served_model_name,
+        "--speedup", str(s.speedup),
+        "--block-size", str(s.block_size),
+        "--num-blocks", str(s.num_blocks),
+        "--max-model-len", str(s.max_model_len),
+        "--heartbeat-interval-s", str(s.heartbeat_interval_s),
+        "--log-level", s.log_level,
+    ]
+
+
+def _frontend_argv(s: StackSettings, kafka: str, redis: str, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "server", "frontend",
+        "--host", s.host,
+        "--port", str(port),
+        "--frontend-id", "frontend-0",
+        "--kafka", kafka,
+        "--redis", redis,
+        "--redis-prefix", s.redis_prefix,
+        "--model-path", s.model_path,
+        "--served-model-name", s.served_model_name,
+        "--router-policy", s.router_policy,
+        "--heartbeat-interval-s", str(s.heartbeat_interval_s),
+        "--log-level", s.log_level,
+    ]
+
+
+async def run_stack(s: StackSettings) -> int:
+    """Start everything, print how to use it, and stop everything on SIGINT/SIGTERM or a crash."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    services: list[Child] = []
+    workers: list[Child] = []
+    frontend: Child | None = None
+    code = 0
+    try:
+        kafka, redis = s.kafka, s.redis
+        if not kafka:
+            child, kafka = await start_broker()
+            services.append(child)
+            log.info("embedded Kafka broker (Tansu) on %s", kafka)
+        if not redis:
+            child, redis = await start_redis()
+            services.append(child)
+            log.info("embedded Redis on %s", redis)
+        for i in range(s.workers):
+            workers.append(await Child.spawn(f"worker-{i}", _worker_argv(s, kafka, redis, i)))
+        await asyncio.gather(
+            *(w.wait_for_line(lambda line: " ready: " in line, s.ready_timeout_s) for w in workers)
+        )
+        port = s.port or free_port(s.host)
+        frontend = await Child.spawn("frontend", _frontend_argv(s, kafka, redis, port))
+        # uvicorn logs this once its socket is bound (its startup-complete line comes before that).
+        await frontend.wait_for_line(lambda line: "Uvicorn running on" in line, s.ready_timeout_s)
+        url = f"http://{s.host}:{port}"
+        print(
+            f"\nFerry is up: {url}  (model {s.served_model_name}, {s.workers} {s.engine} worker(s))\n"
+            f"Kafka {kafka}  Redis {redis}  metrics {url}/metrics\n\n"
+            f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"    -d '{{\"model\": \"{s.served_model_name}\", \"stream\": true, "
+            f"\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n\n"
+            f"Press Ctrl-C to stop.\n"
+            f"ferry-ready {url}",
+            flush=True,
+        )
+        exits = [asyncio.create_task(c.proc.wait()) for c in (frontend, *workers)]
+        stopping = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([stopping, *exits], return_when=asyncio.FIRST_COMPLETED)
+        if stopping not in done:
+            crashed = [c.name for c in (frontend, *workers) if c.proc.returncode is not None]
+            log.error("%s exited unexpectedly; stopping the stack", ", ".join(crashed))
+            code = 1
+        for t in (stopping, *exits):
+            t.cancel()
+    except (TimeoutError, RuntimeError) as exc:
+        log.error("the stack did not come up: %s", exc)
+        code = 1
+    finally:
+        # Frontend first (no new requests), then workers (drain), then the services they use.
+        if frontend is not None:
+            await frontend.stop()
+        await asyncio.gather(*(w.stop() for w in workers))
+        for child in reversed(services):
+            with contextlib.suppress(Exception):
+                await child.stop()
+        log.info("stack stopped")
+    return code

@@ -1,0 +1,1 @@
+"""The worker process: inbox consumer, engines, KV-event bridge, heartbeat and drain."""

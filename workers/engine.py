@@ -1,0 +1,80 @@
+"""The protocol every engine implements, and the records it yields."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import msgspec
+
+from schemas.kafka import FinishReason, GenerateRequest, TokenLogprob
+from schemas.kv_events import KVEventBatch
+
+
+class EngineOutput(msgspec.Struct):
+    """New output of one sequence since its previous EngineOutput (a delta)."""
+
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    # Known once the prompt has been scheduled; repeated on the final output.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = []
+
+
+class EngineStats(msgspec.Struct):
+    """A snapshot of engine load, reported in heartbeats and metrics."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    prefix_hit_rate: float
+    total_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+class EngineError(Exception):
+    """A request-level failure; `retriable` means another worker may succeed."""
+
+    def __init__(self, code: str, message: str, retriable: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retriable = retriable
+
+
+class EngineDead(EngineError):
+    """The engine itself failed: the worker must leave the registry and exit."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("engine_dead", message, retriable=True)
+
+
+class Engine(Protocol):
+    """What the worker needs from an engine (simulated or vLLM)."""
+
+    async def start(self) -> None:
+        """Load the model and start background stepping."""
+
+    async def stop(self) -> None:
+        """Abort everything and release resources."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[EngineOutput]:
+        """Stream deltas of one sequence until it finishes; abort it if the iterator is closed early."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop one request and free its blocks; a no-op if it is unknown or done."""
+
+    def kv_events(self) -> AsyncIterator[KVEventBatch]:
+        """Batches of KV events in Ferry block hashes, one per engine step that changed the cache."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """Current load."""
+        ...
+
+    async def check_health(self) -> None:
+        """Raise EngineDead if the engine can no longer serve."""

@@ -1,0 +1,59 @@
+"""`ferry worker`: one worker process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import uvloop
+
+from schemas.settings import WorkerSettings, load
+from workers.engine import Engine
+from workers.model_dir import load_model_info
+from workers.worker import Worker
+
+log = logging.getLogger("ferry.worker")
+
+
+def build_engine(settings: WorkerSettings) -> Engine:
+    """The engine `settings.engine` names, configured from the model directory and settings."""
+    from workers.sim import SimConfig, SimEngine
+
+    info = load_model_info(settings.model_path)
+    max_len = settings.max_model_len or info.max_position_embeddings
+    config = SimConfig(
+        block_size=settings.block_size,
+        num_blocks=settings.num_blocks,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        speedup=settings.speedup,
+        max_model_len=max_len,
+    )
+    return SimEngine(settings.served_model_name, info.tokenizer, config, eos_token_id=info.eos_token_id)
+
+
+async def _amain(settings: WorkerSettings) -> int:
+    shutdown = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, shutdown.set)
+    worker = Worker(settings, build_engine(settings), settings.engine)
+    return await worker.run(shutdown)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse flags and FERRY_* variables, then run one worker until SIGTERM/SIGINT."""
+    settings = load(WorkerSettings, argv, prog="ferry worker")
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    return uvloop.run(_amain(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,400 @@
+"""One worker: reads its requests topic, runs them on an engine, streams chunks back, heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable
+
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+
+from kvstore.registry import Registry
+from schemas.kafka import (
+    Cancel,
+    Chunk,
+    ChunkUsage,
+    ErrorInfo,
+    GenerateRequest,
+    request_decoder,
+    request_encoder,
+)
+from schemas.names import RedisKeys, request_topic
+from schemas.settings import WorkerSettings
+from schemas.status import WorkerStatus
+from workers.engine import Engine, EngineDead, EngineError
+from workers.metrics import WorkerMetrics
+
+log = logging.getLogger("ferry.worker")
+
+HEARTBEAT_MISSES = 3
+
+
+async def ensure_topic(bootstrap: str, topic: str, partitions: int = 1) -> None:
+    """Create `topic` if it does not exist yet."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
+    except TopicAlreadyExistsError:
+        pass
+    finally:
+        await admin.close()
+
+
+class Worker:
+    """Owns the engine, the Kafka inbox and producer, the heartbeat, and every in-flight request."""
+
+    def __init__(self, settings: WorkerSettings, engine: Engine, engine_name: str) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.engine_name = engine_name
+        self.metrics = WorkerMetrics()
+        self.topic = request_topic(settings.worker_id)
+        self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._draining = False
+        self._started_at = time.time()
+        self._metrics_url = ""
+        self._producer: AIOKafkaProducer | None = None
+        self._registry: Registry | None = None
+        self._redis_ok = True
+        self._fatal: BaseException | None = None
+        self._fatal_event = asyncio.Event()
+        # One sender keeps every request's chunks in order and pushes back on the engine when Kafka lags.
+        self._outbox: asyncio.Queue[tuple[str, bytes, bytes]] = asyncio.Queue(maxsize=4096)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    async def run(self, shutdown: asyncio.Event) -> int:
+        """Serve until `shutdown` is set, then drain; the return value is the process exit code."""
+        s = self.settings
+        self._metrics_url = self.metrics.serve(s.metrics_host, s.metrics_port)
+        redis = aioredis.from_url(s.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._registry = Registry(redis, RedisKeys(s.redis_prefix))
+        await self.engine.start()
+        await ensure_topic(s.kafka, self.topic)
+        self._producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=s.kafka,
+            group_id=f"ferry-worker-{s.worker_id}",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            fetch_max_wait_ms=100,
+        )
+        await self._producer.start()
+        await consumer.start()
+        consumer.assign([TopicPartition(self.topic, 0)])
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            # Register only once the inbox is positioned, so nothing routed to us can be missed.
+            await self._heartbeat_once()
+            log.info(
+                "worker %s ready: engine=%s model=%s topic=%s metrics=%s",
+                s.worker_id, self.engine_name, s.served_model_name, self.topic, self._metrics_url,
+            )
+            tasks = [
+                asyncio.create_task(self._guard("inbox", self._consume(consumer))),
+                asyncio.create_task(self._guard("outbox", self._send_loop())),
+                asyncio.create_task(self._guard("heartbeat", self._heartbeat_loop())),
+                asyncio.create_task(self._guard("health", self._health_loop())),
+                asyncio.create_task(self._guard("kv-events", self._drain_kv_events())),
+            ]
+            fatal = asyncio.create_task(self._fatal_event.wait())
+            stop = asyncio.create_task(shutdown.wait())
+            await asyncio.wait([stop, fatal], return_when=asyncio.FIRST_COMPLETED)
+            fatal.cancel()
+            stop.cancel()
+            if self._fatal is not None:
+                log.error("worker %s stopping after a fatal error: %r", s.worker_id, self._fatal)
+                await self._leave()
+                await self._fail_all(ErrorInfo("engine_dead", str(self._fatal), retriable=True))
+                return 1
+            await self._drain(consumer)
+            return 0
+        finally:
+            sender = tasks[1] if len(tasks) > 1 else None
+            for t in tasks:
+                if t is not sender:
+                    t.cancel()
+            for t in list(self._inflight.values()):
+                t.cancel()
+            await asyncio.gather(*(t for t in tasks if t is not sender), return_exceptions=True)
+            await asyncio.gather(*self._inflight.values(), return_exceptions=True)
+            if sender is not None:
+                # Hand every queued chunk (final ones included) to the producer, whose stop() flushes them.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._outbox.join(), timeout=5.0)
+                sender.cancel()
+                await asyncio.gather(sender, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await asyncio.shield(consumer.stop())
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._producer.stop())
+            with contextlib.suppress(Exception):
+                await self.engine.stop()
+            with contextlib.suppress(Exception):
+                await redis.aclose()
+            log.info("worker %s stopped", s.worker_id)
+
+    async def _guard(self, name: str, coro: Awaitable[None]) -> None:
+        """Run a background loop; an unexpected exit is fatal for the worker, never silent."""
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            log.exception("worker task %s failed", name)
+            self._set_fatal(exc)
+
+    def _set_fatal(self, exc: BaseException) -> None:
+        if self._fatal is None:
+            self._fatal = exc
+        self._fatal_event.set()
+
+    async def _drain(self, consumer: AIOKafkaConsumer) -> None:
+        """Leave routing at once, let in-flight requests finish within the grace period, commit."""
+        s = self.settings
+        self._draining = True
+        await self._leave()
+        n = len(self._inflight)
+        log.info("worker %s draining: %d request(s) in flight, grace %.0fs", s.worker_id, n, s.drain_grace_s)
+        if n:
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout=s.drain_grace_s)
+            except TimeoutError:
+                log.warning("worker %s: grace period over, aborting %d request(s)", s.worker_id, len(self._inflight))
+                await self._fail_all(ErrorInfo("worker_stopped", "worker stopped before finishing", retriable=True))
+        with contextlib.suppress(KafkaError):
+            await asyncio.shield(consumer.commit())
+
+    async def _leave(self) -> None:
+        assert self._registry is not None
+        try:
+            await asyncio.shield(self._registry.remove(self.settings.worker_id))
+        except Exception as exc:  # the TTL removes us anyway
+            log.warning("could not leave the registry (%r); it expires in %.1fs", exc, self._ttl_s())
+
+    async def _fail_all(self, error: ErrorInfo) -> None:
+        for rid, task in list(self._inflight.items()):
+            task.cancel()
+            await self.engine.abort(rid)
+        await asyncio.gather(*self._inflight.values(), return_exceptions=True)
+
+    # ---- inbox ---------------------------------------------------------------------------------
+
+    async def _consume(self, consumer: AIOKafkaConsumer) -> None:
+        while True:
+            batches = await consumer.getmany(timeout_ms=1000, max_records=256)
+            if not batches:
+                continue
+            for records in batches.values():
+                for record in records:
+                    await self._dispatch(record.value)
+            # Commit once the engine holds the requests: a restart under the same id resumes after them.
+            try:
+                await asyncio.shield(consumer.commit())
+            except KafkaError as exc:
+                log.warning("offset commit failed: %r", exc)
+
+    async def _dispatch(self, raw: bytes | None) -> None:
+        if raw is None:
+            return
+        try:
+            msg = request_decoder.decode(raw)
+        except Exception as exc:
+            log.error("dropping an undecodable message on %s: %r", self.topic, exc)
+            return
+        match msg:
+            case GenerateRequest():
+                if msg.request_id in self._inflight:
+                    return  # redelivered: already running
+                if msg.deadline and msg.deadline < time.time():
+                    log.info("request %s arrived after its deadline; skipped", msg.request_id)
+                    self.metrics.requests.labels("expired").inc()
+                    return
+                self._start(msg)
+            case Cancel():
+                if msg.request_id in self._inflight:
+                    log.debug("cancel %s", msg.request_id)
+                    await self.engine.abort(msg.request_id)
+
+    def _start(self, req: GenerateRequest) -> None:
+        task = asyncio.create_task(self._serve(req), name=f"serve-{req.request_id}")
+        self._inflight[req.request_id] = task
+        self._idle.clear()
+        task.add_done_callback(lambda _t, rid=req.request_id: self._done(rid))
+
+    def _done(self, request_id: str) -> None:
+        self._inflight.pop(request_id, None)
+        if not self._inflight:
+            self._idle.set()
+
+    # ---- serving -------------------------------------------------------------------------------
+
+    async def _serve(self, req: GenerateRequest) -> None:
+        """Run one sequence and send every delta back as a Chunk."""
+        wid = self.settings.worker_id
+        seq = 0
+        generated = len(req.generated_token_ids)
+        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        try:
+            finished = False
+            async for out in self.engine.generate(req):
+                generated += len(out.token_ids)
+                usage = None
+                if out.finish_reason is not None:
+                    finished = True
+                    prompt = out.prompt_tokens or len(req.prompt_token_ids)
+                    usage = ChunkUsage(prompt, generated, out.cached_tokens)
+                    self.metrics.cached_tokens.inc(out.cached_tokens)
+                self.metrics.generated_tokens.inc(len(out.token_ids))
+                await self._send(
+                    req,
+                    Chunk(
+                        request_id=req.request_id,
+                        seq=seq,
+                        token_ids=out.token_ids,
+                        text=out.text,
+                        finish_reason=out.finish_reason,
+                        stop_reason=out.stop_reason,
+                        usage=usage,
+                        worker_id=wid,
+                        logprobs=out.logprobs,
+                    ),
+                )
+                seq += 1
+            if not finished:
+                # The engine ended the sequence without a reason: it was aborted (client cancel).
+                await self._send(req, Chunk(req.request_id, seq, finish_reason="abort", worker_id=wid))
+                self.metrics.requests.labels("aborted").inc()
+            else:
+                self.metrics.requests.labels("finished").inc()
+        except asyncio.CancelledError:
+            self._outbox.put_nowait(
+                self._encode(
+                    req,
+                    Chunk(
+                        req.request_id, seq, finish_reason="error", worker_id=wid,
+                        error=ErrorInfo("worker_stopped", "worker stopped before finishing", retriable=True),
+                    ),
+                )
+            )
+            self.metrics.requests.labels("cancelled").inc()
+            raise
+        except EngineError as exc:
+            if isinstance(exc, EngineDead):
+                self._set_fatal(exc)
+            await self._send(
+                req,
+                Chunk(
+                    req.request_id, seq, finish_reason="error", worker_id=wid,
+                    error=ErrorInfo(exc.code, str(exc), exc.retriable),
+                ),
+            )
+            self.metrics.requests.labels("error").inc()
+        except Exception as exc:
+            log.exception("request %s failed in the engine", req.request_id)
+            await self._send(
+                req,
+                Chunk(
+                    req.request_id, seq, finish_reason="error", worker_id=wid,
+                    error=ErrorInfo("internal_error", f"{type(exc).__name__}: {exc}", retriable=True),
+                ),
+            )
+            self.metrics.requests.labels("error").inc()
+
+    @staticmethod
+    def _encode(req: GenerateRequest, chunk: Chunk) -> tuple[str, bytes, bytes]:
+        return req.reply_topic, req.request_id.encode(), request_encoder.encode(chunk)
+
+    async def _send(self, req: GenerateRequest, chunk: Chunk) -> None:
+        """Queue one chunk for the request's reply topic (waits while the outbox is full)."""
+        await self._outbox.put(self._encode(req, chunk))
+
+    async def _send_loop(self) -> None:
+        assert self._producer is not None
+        while True:
+            topic, key, value = await self._outbox.get()
+            try:
+                # Returns once the record is in the producer's batch; delivery is reported later.
+                delivery = await self._producer.send(topic, value, key=key)
+                delivery.add_done_callback(self._on_delivery)
+            except KafkaError as exc:
+                self._on_send_error(exc)
+            finally:
+                self._outbox.task_done()
+
+    def _on_delivery(self, fut: asyncio.Future[object]) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            self._on_send_error(fut.exception())
+
+    def _on_send_error(self, exc: BaseException | None) -> None:
+        self.metrics.kafka_send_errors.inc()
+        log.warning("a reply chunk was not delivered: %r", exc)
+
+    # ---- heartbeat, health, KV events ----------------------------------------------------------
+
+    def _ttl_s(self) -> float:
+        return self.settings.heartbeat_interval_s * HEARTBEAT_MISSES
+
+    def status(self) -> WorkerStatus:
+        """This worker's registry record right now."""
+        st = self.engine.stats()
+        s = self.settings
+        return WorkerStatus(
+            worker_id=s.worker_id,
+            model=s.served_model_name,
+            engine=self.engine_name,
+            block_size=st.block_size,
+            total_blocks=st.total_blocks,
+            max_model_len=st.max_model_len,
+            started_at=self._started_at,
+            heartbeat_at=time.time(),
+            running=st.running,
+            waiting=st.waiting,
+            kv_usage=st.kv_usage,
+            prefix_hit_rate=st.prefix_hit_rate,
+            draining=self._draining,
+            metrics_url=self._metrics_url,
+        )
+
+    async def _heartbeat_once(self) -> None:
+        assert self._registry is not None
+        status = self.status()
+        self.metrics.observe(self.engine.stats(), len(self._inflight))
+        await asyncio.shield(self._registry.publish(status, self._ttl_s()))
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.settings.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(interval)  # the heartbeat period itself, not a wait for an event
+            if self._draining:
+                return
+            try:
+                await self._heartbeat_once()
+                if not self._redis_ok:
+                    log.info("Redis is reachable again; heartbeats resumed")
+                    self._redis_ok = True
+            except Exception as exc:
+                self.metrics.heartbeat_errors.inc()
+                if self._redis_ok:
+                    log.warning("heartbeat failed (%r); retrying every %.1fs", exc, interval)
+                    self._redis_ok = False
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)  # check period
+            await self.engine.check_health()
+
+    async def _drain_kv_events(self) -> None:
+        # The KV index arrives with cache-aware routing; until then the batches are read and dropped
+        # so the engine's queue never fills.
+        async for _batch in self.engine.kv_events():
+            pass
+
