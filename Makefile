@@ -11,7 +11,8 @@ MODEL_STAMP := $(VENV)/.ferry-model
 
 .PHONY: run test lint setup model clean bench-overhead
 
-run: model
+run: setup
+	$(FERRY) model prepare
 	$(FERRY) up $(ARGS)
 
 test: model

@@ -67,6 +67,7 @@ class Frontend:
         self.started = int(time.time())
         self.inflight = 0
         self.svc: Services | None = None
+        self._background: set[asyncio.Future[None]] = set()
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -76,13 +77,26 @@ class Frontend:
         registry = Registry(redis, RedisKeys(s.redis_prefix))
         demux = ReplyDemux(s.kafka, reply_topic(s.frontend_id))
 
-        def on_dead(worker_id: str) -> None:
-            n = demux.fail_worker(
+        def fail_worker(worker_id: str) -> None:
+            failed = demux.fail_worker(
                 worker_id, ErrorInfo("worker_died", f"worker {worker_id} stopped responding", retriable=True)
             )
-            if n:
-                self.metrics.worker_failures.inc(n)
-                log.error("worker %s died with %d sequence(s) in flight; they failed", worker_id, n)
+            if not failed:
+                return
+            self.metrics.worker_failures.inc(len(failed))
+            log.error("worker %s vanished with %d sequence(s) in flight; they failed", worker_id, len(failed))
+            # A worker that only missed heartbeats (a pause, a Redis hiccup) is still generating: stop it.
+            assert self.svc is not None
+            dispatcher = self.svc.dispatcher
+            for rid in failed:
+                task = asyncio.ensure_future(dispatcher.cancel(worker_id, rid))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+        def on_dead(worker_id: str) -> None:
+            # A worker that drained cleanly left after its last chunks were acknowledged; give the reply
+            # consumer one heartbeat to deliver them before calling anything still open lost.
+            asyncio.get_running_loop().call_later(s.heartbeat_interval_s, fail_worker, worker_id)
 
         pool = WorkerPool(registry, s.heartbeat_interval_s / 2, self.metrics, on_dead)
         producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)

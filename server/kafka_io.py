@@ -32,12 +32,10 @@ class Dispatcher:
         """Hand one request to a worker; 503 if the broker does not acknowledge it in time."""
         t0 = time.perf_counter()
         try:
-            await asyncio.wait_for(
-                self._producer.send_and_wait(
+            async with asyncio.timeout(self._timeout_s):
+                await self._producer.send_and_wait(
                     request_topic(worker_id), request_encoder.encode(request), key=request.request_id.encode()
-                ),
-                self._timeout_s,
-            )
+                )
         except (KafkaError, TimeoutError) as exc:
             self._metrics.kafka_errors.inc()
             if self._broker_ok:
@@ -114,15 +112,15 @@ class ReplyDemux:
         for rid in stream.sequences:
             self._by_request.pop(rid, None)
 
-    def fail_worker(self, worker_id: str, error: ErrorInfo) -> int:
-        """End every sequence running on `worker_id` with `error`; returns how many."""
-        n = 0
+    def fail_worker(self, worker_id: str, error: ErrorInfo) -> list[str]:
+        """End every sequence running on `worker_id` with `error`; returns their request ids."""
+        failed = []
         for rid, stream in list(self._by_request.items()):
             seq = stream.sequences.get(rid)
             if seq is not None and seq.worker_id == worker_id and not seq.finished:
                 stream.fail(rid, error)
-                n += 1
-        return n
+                failed.append(rid)
+        return failed
 
     async def _run(self) -> None:
         assert self._consumer is not None

@@ -45,6 +45,7 @@ class SSEResponse:
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
         ] + [(k.lower().encode(), v.encode()) for k, v in self._headers.items()]
+        self._gone = False
         pump = asyncio.create_task(self._pump(send, raw_headers))
         watch = asyncio.create_task(self._watch_disconnect(receive))
         try:
@@ -52,6 +53,9 @@ class SSEResponse:
             if pump in done:
                 pump.result()
             else:
+                # The flag backs up the cancel below: a cancellation can be lost in a race with a
+                # completing await, and uvicorn accepts sends to a closed connection silently.
+                self._gone = True
                 log.debug("client disconnected mid-stream")
         finally:
             for t in (pump, watch):
@@ -63,10 +67,11 @@ class SSEResponse:
     async def _pump(self, send: Send, raw_headers: list[tuple[bytes, bytes]]) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
         async for chunk in self._events:
+            if self._gone:
+                return
             # A client that stops reading must not hold a stream (and its engine slot) forever.
-            await asyncio.wait_for(
-                send({"type": "http.response.body", "body": chunk, "more_body": True}), self._send_timeout_s
-            )
+            async with asyncio.timeout(self._send_timeout_s):
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     @staticmethod

@@ -62,8 +62,11 @@ class ClientStream:
         """Every chunk that has arrived, waiting up to `wait_s` for the first; [] if none came."""
         if not self._items:
             self._ready.clear()
+            # asyncio.timeout, not wait_for: wait_for (3.11) can swallow a cancellation that races with
+            # the event being set, which would keep a disconnected stream alive.
             try:
-                await asyncio.wait_for(self._ready.wait(), wait_s)
+                async with asyncio.timeout(wait_s):
+                    await self._ready.wait()
             except TimeoutError:
                 return []
         items = list(self._items)

@@ -56,8 +56,8 @@ class Worker:
         self.metrics = WorkerMetrics()
         self.topic = request_topic(settings.worker_id)
         self._inflight: dict[str, asyncio.Task[None]] = {}
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.idle = asyncio.Event()  # set while no request is in flight
+        self.idle.set()
         self._draining = False
         self._started_at = time.time()
         self._metrics_url = ""
@@ -66,6 +66,7 @@ class Worker:
         self._redis_ok = True
         self._fatal: BaseException | None = None
         self._fatal_event = asyncio.Event()
+        self.ready = asyncio.Event()  # set once registered and consuming
         # One sender keeps every request's chunks in order and pushes back on the engine when Kafka lags.
         self._outbox: asyncio.Queue[tuple[str, bytes, bytes]] = asyncio.Queue(maxsize=4096)
 
@@ -94,6 +95,7 @@ class Worker:
         try:
             # Register only once the inbox is positioned, so nothing routed to us can be missed.
             await self._heartbeat_once()
+            self.ready.set()
             log.info(
                 "worker %s ready: engine=%s model=%s topic=%s metrics=%s",
                 s.worker_id, self.engine_name, s.served_model_name, self.topic, self._metrics_url,
@@ -161,17 +163,31 @@ class Worker:
         """Leave routing at once, let in-flight requests finish within the grace period, commit."""
         s = self.settings
         self._draining = True
-        await self._leave()
+        # Heartbeats go on with draining=True: routers stop choosing us, while frontends still see us
+        # alive and keep waiting for the requests we finish. We leave the registry only at the end.
+        with contextlib.suppress(Exception):
+            await self._heartbeat_once()
         n = len(self._inflight)
         log.info("worker %s draining: %d request(s) in flight, grace %.0fs", s.worker_id, n, s.drain_grace_s)
         if n:
             try:
-                await asyncio.wait_for(self._idle.wait(), timeout=s.drain_grace_s)
+                await asyncio.wait_for(self.idle.wait(), timeout=s.drain_grace_s)
             except TimeoutError:
                 log.warning("worker %s: grace period over, aborting %d request(s)", s.worker_id, len(self._inflight))
                 await self._fail_all(ErrorInfo("worker_stopped", "worker stopped before finishing", retriable=True))
+        await self._flush()
         with contextlib.suppress(KafkaError):
             await asyncio.shield(consumer.commit())
+        await self._leave()
+
+    async def _flush(self) -> None:
+        """Wait until every queued chunk has been acknowledged by the broker (bounded)."""
+        assert self._producer is not None
+        try:
+            await asyncio.wait_for(self._outbox.join(), timeout=5.0)
+            await asyncio.wait_for(self._producer.flush(), timeout=5.0)
+        except (TimeoutError, KafkaError) as exc:
+            log.warning("could not flush every reply before leaving: %r", exc)
 
     async def _leave(self) -> None:
         assert self._registry is not None
@@ -227,13 +243,13 @@ class Worker:
     def _start(self, req: GenerateRequest) -> None:
         task = asyncio.create_task(self._serve(req), name=f"serve-{req.request_id}")
         self._inflight[req.request_id] = task
-        self._idle.clear()
+        self.idle.clear()
         task.add_done_callback(lambda _t, rid=req.request_id: self._done(rid))
 
     def _done(self, request_id: str) -> None:
         self._inflight.pop(request_id, None)
         if not self._inflight:
-            self._idle.set()
+            self.idle.set()
 
     # ---- serving -------------------------------------------------------------------------------
 
@@ -374,8 +390,6 @@ class Worker:
         interval = self.settings.heartbeat_interval_s
         while True:
             await asyncio.sleep(interval)  # the heartbeat period itself, not a wait for an event
-            if self._draining:
-                return
             try:
                 await self._heartbeat_once()
                 if not self._redis_ok:

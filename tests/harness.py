@@ -1,0 +1,135 @@
+"""An in-process Ferry for integration tests: real broker and Redis, workers and a frontend as tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+from schemas.settings import FrontendSettings, WorkerSettings
+from server.app import Frontend, create_app
+from server.services import free_port
+from workers.main import build_engine
+from workers.worker import Worker
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with an awaitable 'socket is bound' event."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.bound = asyncio.Event()
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        self.bound.set()
+
+    def install_signal_handlers(self) -> None:  # the test process owns its signals
+        pass
+
+
+@dataclasses.dataclass
+class RunningWorker:
+    """A worker running as a task of the test's event loop."""
+
+    worker: Worker
+    shutdown: asyncio.Event
+    task: asyncio.Task[int]
+
+    async def stop(self) -> int:
+        """Drain and stop, like SIGTERM."""
+        self.shutdown.set()
+        return await self.task
+
+
+class Harness:
+    """Starts workers and frontends against one broker and Redis under a test's own key prefix."""
+
+    def __init__(self, kafka: str, redis: str, prefix: str, model_path: Path) -> None:
+        self.common = dict(
+            kafka=kafka, redis=redis, redis_prefix=prefix, model_path=str(model_path), heartbeat_interval_s=0.5
+        )
+        self.workers: list[RunningWorker] = []
+        self._servers: list[tuple[_Server, asyncio.Task[None]]] = []
+        self.frontends: list[Frontend] = []
+
+    async def add_worker(self, **overrides: Any) -> RunningWorker:
+        """Start one sim worker and wait until it is registered."""
+        settings = WorkerSettings(
+            **{**self.common, "worker_id": f"w-{uuid.uuid4().hex[:6]}", "speedup": 50.0, **overrides}
+        )
+        worker = Worker(settings, build_engine(settings), "sim")
+        shutdown = asyncio.Event()
+        task = asyncio.create_task(worker.run(shutdown))
+        ready = asyncio.create_task(worker.ready.wait())
+        await asyncio.wait([ready, task], timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+        assert worker.ready.is_set(), "worker did not become ready"
+        running = RunningWorker(worker, shutdown, task)
+        self.workers.append(running)
+        for fe in self.frontends:
+            assert fe.svc is not None
+            await fe.svc.pool.refresh()
+        return running
+
+    async def add_frontend(self, **overrides: Any) -> tuple[Frontend, str]:
+        """Start one frontend on uvicorn on a free loopback port; returns it and its base URL."""
+        port = free_port()
+        settings = FrontendSettings(
+            **{**self.common, "frontend_id": f"fe-{uuid.uuid4().hex[:6]}", "port": port, **overrides}
+        )
+        app = create_app(settings)
+        server = _Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+        task = asyncio.create_task(server.serve())
+        bound = asyncio.create_task(server.bound.wait())
+        await asyncio.wait([bound, task], timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+        self._servers.append((server, task))
+        fe: Frontend = app.state.frontend
+        self.frontends.append(fe)
+        return fe, f"http://127.0.0.1:{port}"
+
+    async def close(self) -> None:
+        """Stop every frontend, then every worker."""
+        for server, task in self._servers:
+            server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 15)
+        for w in self.workers:
+            if not w.task.done():
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(w.stop(), 15)
+
+
+@contextlib.asynccontextmanager
+async def harness(kafka: str, redis: str, prefix: str, model_path: Path) -> AsyncIterator[Harness]:
+    """A Harness that is always closed."""
+    h = Harness(kafka, redis, prefix, model_path)
+    try:
+        yield h
+    finally:
+        await h.close()
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[tuple[str | None, str]]:
+    """(id, data) of each SSE event; comment lines are skipped."""
+    event_id: str | None = None
+    data: list[str] = []
+    async for line in response.aiter_lines():
+        if line == "":
+            if data:
+                yield event_id, "\n".join(data)
+            event_id, data = None, []
+        elif line.startswith("id:"):
+            event_id = line[3:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip())

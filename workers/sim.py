@@ -1,0 +1,601 @@
+"""The simulated engine: vLLM-style scheduling over a prefix-cached block pool, with Dynamo's timing.
+
+It behaves like a real engine towards the worker (continuous batching, chunked prefill, priority
+admission, preemption by recompute, KV events in Ferry hashes) but "computes" by sleeping for the
+time NVIDIA Dynamo's mocker model gives each step, and emits deterministic pseudo-random tokens so
+streamed, non-streamed and migrated runs of the same request produce the same output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import math
+import struct
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from enum import Enum
+from types import TracebackType
+
+import msgspec
+import numpy as np
+import xxhash
+from tokenizers import Tokenizer
+
+from kvstore.hashing import chain_seed
+from schemas.kafka import FinishReason, GenerateRequest, TokenLogprob
+from schemas.kv_events import AllBlocksCleared, BlockStored, KVEvent, KVEventBatch
+from workers.block_pool import BlockPool, SequenceBlocks
+from workers.detok import Detokenizer
+from workers.engine import EngineDead, EngineError, EngineOutput, EngineStats
+from workers.sim_timing import step_seconds
+
+logger = logging.getLogger(__name__)
+
+_U64 = (1 << 64) - 1
+# Domain tags keep the token, length and logprob streams of one sequence independent.
+_TAG_TOKEN, _TAG_LENGTH, _TAG_LOGPROB = 0, 1, 2
+_STREAM_KEY = struct.Struct("<QQQ")
+_DRAW = struct.Struct("<QQBI")
+
+
+class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Knobs of the simulated engine; `seed` salts every output and must match across a model's workers."""
+
+    block_size: int = 64
+    num_blocks: int = 16384
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    speedup: float = 1.0
+    max_model_len: int = 8192
+    # Natural output length range, used when ignore_eos is false.
+    min_output_tokens: int = 16
+    max_output_tokens: int = 256
+    seed: int = 0
+    # KV-event batches kept for a slow reader before the oldest are dropped.
+    max_pending_kv_batches: int = 1024
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.speedup <= 0:
+            raise ValueError("speedup must be positive")
+        if not 1 <= self.min_output_tokens <= self.max_output_tokens:
+            raise ValueError("need 1 <= min_output_tokens <= max_output_tokens")
+        if self.max_pending_kv_batches <= 0:
+            raise ValueError("max_pending_kv_batches must be positive")
+        # Guarantees that any admitted sequence fits alone, so preemption always makes progress.
+        if self.max_model_len > self.num_blocks * self.block_size:
+            raise ValueError("max_model_len exceeds the KV capacity (num_blocks * block_size)")
+
+
+class _State(Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class _Mailbox:
+    """One request's pending output: deltas merge while the consumer lags (vLLM's collector)."""
+
+    __slots__ = ("_error", "_pending", "_ready")
+
+    def __init__(self) -> None:
+        self._pending: EngineOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, out: EngineOutput) -> None:
+        pending = self._pending
+        if pending is None:
+            self._pending = out
+        else:
+            pending.token_ids.extend(out.token_ids)
+            pending.text += out.text
+            pending.logprobs = pending.logprobs + out.logprobs
+            pending.finish_reason = out.finish_reason
+            pending.stop_reason = out.stop_reason
+            pending.prompt_tokens = out.prompt_tokens or pending.prompt_tokens
+            pending.cached_tokens = out.cached_tokens or pending.cached_tokens
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
+    async def get(self) -> EngineOutput:
+        while True:
+            if self._pending is not None:
+                out, self._pending = self._pending, None
+                return out
+            if self._error is not None:
+                raise self._error
+            self._ready.clear()
+            await self._ready.wait()
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    request: GenerateRequest
+    arrival: int
+    # Prompt, tokens migrated in, then tokens generated here: everything the KV cache holds.
+    tokens: list[int]
+    kv: SequenceBlocks
+    detok: Detokenizer
+    stream_key: int
+    # Total output length (counting migrated tokens) at which the sequence ends by itself.
+    natural_len: int | None
+    mailbox: _Mailbox = field(default_factory=_Mailbox)
+    state: _State = _State.WAITING
+    num_computed: int = 0
+    # Tokens to (re)compute as prefill since the last admission; later tokens are decodes.
+    prefill_end: int = 0
+    generated: int = 0
+    cached_tokens: int | None = None
+    sent_first: bool = False
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.request.priority, self.arrival)
+
+
+@dataclass(slots=True)
+class _Step:
+    work: dict[str, tuple[_Seq, int]]
+    seconds: float
+
+
+class _OutputStream(AsyncIterator[EngineOutput]):
+    """What generate() returns: iterating streams deltas, closing early aborts the request."""
+
+    def __init__(self, engine: SimEngine, seq: _Seq) -> None:
+        self._engine = engine
+        self._seq = seq
+        self._gen = engine._stream(seq)
+
+    async def __anext__(self) -> EngineOutput:
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        """Abort the request if it is still running, then close the stream."""
+        self._engine._abort_seq(self._seq)
+        await self._gen.aclose()
+
+
+class SimEngine:
+    """A simulated vLLM engine implementing the Engine protocol on the caller's event loop."""
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer: Tokenizer,
+        config: SimConfig | None = None,
+        eos_token_id: int | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config or SimConfig()
+        self._tokenizer = tokenizer
+        self._eos = eos_token_id
+        self._vocab = self._output_vocab(tokenizer, eos_token_id)
+        self._pool = BlockPool(self.config.num_blocks, self.config.block_size)
+        self._kv_capacity = self.config.num_blocks * self.config.block_size
+        self._seqs: dict[str, _Seq] = {}
+        self._running: dict[str, _Seq] = {}
+        self._waiting: list[tuple[int, int, _Seq]] = []
+        self._num_waiting = 0
+        self._arrivals = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopped = False
+        self._dead: str | None = None
+        self._prompt_tokens_seen = 0
+        self._cached_tokens_seen = 0
+        self._kv_batches: deque[KVEventBatch] = deque()
+        self._kv_ready = asyncio.Event()
+        self._kv_closed = False
+        self._kv_resync = False
+        self.kv_batches_dropped = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the background step loop."""
+        if self._task is None and not self._stopped:
+            self._task = asyncio.create_task(self._run(), name=f"sim-engine:{self.model}")
+
+    async def stop(self) -> None:
+        """Abort every request, stop stepping, clear the cache and end the KV-event stream."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                if not self._task.cancelled():
+                    raise  # the caller of stop() itself is being cancelled
+        for seq in list(self._seqs.values()):
+            self._abort_seq(seq)
+        if self._pool.reset():
+            self._publish(self._pool.take_events())
+        self._close_kv_events()
+
+    async def __aenter__(self) -> SimEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def check_health(self) -> None:
+        """Raise EngineDead if the step loop died or the engine was stopped."""
+        if self._dead is not None:
+            raise EngineDead(self._dead)
+        if self._stopped:
+            raise EngineDead("engine stopped")
+
+    # -- requests --------------------------------------------------------------------------
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[EngineOutput]:
+        """Queue one sequence now and return its stream of deltas; closing the stream aborts it."""
+        self._validate(request)
+        prior = request.generated_token_ids
+        tokens = [*request.prompt_token_ids, *prior]
+        key = self._stream_key(request)
+        natural_len = None
+        if not request.sampling.ignore_eos:
+            span = self.config.max_output_tokens - self.config.min_output_tokens + 1
+            natural_len = self.config.min_output_tokens + self._draw(key, 0, _TAG_LENGTH) % span
+        seq = _Seq(
+            request=request,
+            arrival=next(self._arrivals),
+            tokens=tokens,
+            kv=SequenceBlocks(seed=chain_seed(self.model, request.lora_name), lora_name=request.lora_name),
+            detok=Detokenizer(
+                self._tokenizer,
+                request.sampling,
+                self._eos,
+                prompt_token_ids=request.prompt_token_ids,
+                prior_output_ids=prior,
+            ),
+            stream_key=key,
+            natural_len=natural_len,
+        )
+        self._seqs[request.request_id] = seq
+        self._push_waiting(seq)
+        self._wake.set()
+        return _OutputStream(self, seq)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop one request and free its blocks; a no-op if it is unknown or done."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self._abort_seq(seq)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached blocks (AllBlocksCleared); False while any request holds blocks."""
+        if not self._pool.reset():
+            return False
+        self._publish(self._pool.take_events())
+        return True
+
+    def kv_events(self) -> AsyncIterator[KVEventBatch]:
+        """Batches of KV events, one per step that changed the cache; ends when the engine stops."""
+        return self._kv_event_stream()
+
+    def stats(self) -> EngineStats:
+        """Current load and cache figures."""
+        seen = self._prompt_tokens_seen
+        return EngineStats(
+            running=len(self._running),
+            waiting=self._num_waiting,
+            kv_usage=self._pool.usage(),
+            prefix_hit_rate=self._cached_tokens_seen / seen if seen else 0.0,
+            total_blocks=self.config.num_blocks,
+            block_size=self.config.block_size,
+            max_model_len=self.config.max_model_len,
+        )
+
+    def _validate(self, request: GenerateRequest) -> None:
+        if self._dead is not None:
+            raise EngineDead(self._dead)
+        if self._stopped or self._task is None:
+            raise EngineDead("engine is not running")
+        if request.request_id in self._seqs:
+            raise EngineError("duplicate_request", f"request {request.request_id!r} is already running")
+        if not request.prompt_token_ids:
+            raise EngineError("invalid_request", "the prompt is empty")
+        if request.max_tokens < 1:
+            raise EngineError("invalid_request", "max_tokens must be at least 1")
+        total = len(request.prompt_token_ids) + len(request.generated_token_ids) + request.max_tokens
+        if total > self.config.max_model_len:
+            raise EngineError(
+                "context_length_exceeded",
+                f"prompt and max_tokens need {total} tokens; the model allows {self.config.max_model_len}",
+                retriable=False,
+            )
+
+    async def _stream(self, seq: _Seq) -> AsyncGenerator[EngineOutput, None]:
+        try:
+            while True:
+                out = await seq.mailbox.get()
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            # Covers aclose, cancellation of the consumer, and a started-then-dropped stream being finalised.
+            self._abort_seq(seq)
+
+    def _abort_seq(self, seq: _Seq) -> None:
+        if seq.state is _State.FINISHED:
+            return
+        self._finish(seq)
+        seq.mailbox.put(
+            EngineOutput(
+                token_ids=[],
+                finish_reason="abort",
+                prompt_tokens=len(seq.request.prompt_token_ids),
+                cached_tokens=seq.cached_tokens or 0,
+            )
+        )
+
+    def _finish(self, seq: _Seq) -> None:
+        if seq.state is _State.WAITING:
+            # Left in the heap and skipped when it surfaces: removal from the middle is O(n).
+            self._num_waiting -= 1
+        self._running.pop(seq.request.request_id, None)
+        self._pool.free(seq.kv)
+        seq.state = _State.FINISHED
+        if self._seqs.get(seq.request.request_id) is seq:
+            del self._seqs[seq.request.request_id]
+
+    # -- step loop -------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                step = self._schedule()
+                if step is None:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                # The simulated forward pass; also yields to the event loop every step.
+                await asyncio.sleep(step.seconds)
+                self._complete(step)
+                self._publish(self._pool.take_events())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.exception("simulated engine step loop crashed")
+            self._dead = f"step loop crashed: {e!r}"
+            error = EngineDead(self._dead)
+            for seq in list(self._seqs.values()):
+                seq.state = _State.FINISHED
+                seq.mailbox.fail(error)
+            self._seqs.clear()
+            self._running.clear()
+            self._waiting.clear()
+            self._num_waiting = 0
+            self._close_kv_events()
+
+    def _schedule(self) -> _Step | None:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        work: dict[str, tuple[_Seq, int]] = {}
+        preempted = False
+        # Decodes first so running streams keep their pace; partial prefills take what is left.
+        decoding = [s for s in self._running.values() if s.num_computed >= s.prefill_end]
+        prefilling = [s for s in self._running.values() if s.num_computed < s.prefill_end]
+        for seq in itertools.chain(decoding, prefilling):
+            if budget == 0:
+                break
+            if seq.state is not _State.RUNNING:
+                continue  # preempted earlier in this pass
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            while not self._pool.allocate(seq.kv, seq.tokens, seq.num_computed + n):
+                victim = max(self._running.values(), key=lambda s: s.sort_key)
+                self._preempt(victim)
+                preempted = True
+                undone = work.pop(victim.request.request_id, None)
+                if undone is not None:
+                    budget += undone[1]
+                if victim is seq:
+                    break
+            else:
+                work[seq.request.request_id] = (seq, n)
+                budget -= n
+        # Like vLLM, admit nothing in a step that had to preempt: the pool is already short.
+        if not preempted:
+            budget = self._admit(work, budget)
+        if not work:
+            return None
+        return _Step(work=work, seconds=self._step_seconds(work))
+
+    def _admit(self, work: dict[str, tuple[_Seq, int]], budget: int) -> int:
+        bs = self.config.block_size
+        while budget > 0 and len(self._running) < self.config.max_num_seqs:
+            seq = self._peek_waiting()
+            if seq is None:
+                break
+            hit_blocks = self._pool.match_prefix(seq.kv, seq.tokens)
+            computed = hit_blocks * bs
+            n = min(len(seq.tokens) - computed, budget)
+            if not self._pool.allocate(seq.kv, seq.tokens, computed + n, num_hit_blocks=hit_blocks):
+                break
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            seq.state = _State.RUNNING
+            seq.num_computed = computed
+            seq.prefill_end = len(seq.tokens)
+            self._running[seq.request.request_id] = seq
+            if seq.cached_tokens is None:
+                prompt_len = len(seq.request.prompt_token_ids)
+                seq.cached_tokens = min(computed, prompt_len)
+                self._prompt_tokens_seen += prompt_len
+                self._cached_tokens_seen += seq.cached_tokens
+            work[seq.request.request_id] = (seq, n)
+            budget -= n
+        return budget
+
+    def _step_seconds(self, work: dict[str, tuple[_Seq, int]]) -> float:
+        prefill_tokens = decode_context = decoding = 0
+        for seq, n in work.values():
+            if seq.num_computed < seq.prefill_end:
+                prefill_tokens += n
+            else:
+                decoding += 1
+                decode_context += seq.num_computed + n
+        return step_seconds(prefill_tokens, decode_context, decoding, self._kv_capacity, self.config.speedup)
+
+    def _preempt(self, seq: _Seq) -> None:
+        # Recompute, not swap: drop the KV and prefill prompt + output again on readmission.
+        del self._running[seq.request.request_id]
+        self._pool.free(seq.kv)
+        seq.num_computed = 0
+        self._push_waiting(seq)
+
+    def _push_waiting(self, seq: _Seq) -> None:
+        seq.state = _State.WAITING
+        heapq.heappush(self._waiting, (seq.request.priority, seq.arrival, seq))
+        self._num_waiting += 1
+
+    def _peek_waiting(self) -> _Seq | None:
+        while self._waiting:
+            seq = self._waiting[0][2]
+            if seq.state is _State.WAITING:
+                return seq
+            heapq.heappop(self._waiting)
+        return None
+
+    def _complete(self, step: _Step) -> None:
+        for seq, n in step.work.values():
+            if seq.state is not _State.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed += n
+            if seq.num_computed == len(seq.tokens):
+                self._emit_token(seq)
+
+    def _emit_token(self, seq: _Seq) -> None:
+        request = seq.request
+        pos = len(request.generated_token_ids) + seq.generated
+        natural_end = seq.natural_len is not None and pos >= seq.natural_len - 1
+        if natural_end and self._eos is not None:
+            token = self._eos
+        else:
+            token = self._vocab[self._draw(seq.stream_key, pos, _TAG_TOKEN) % len(self._vocab)]
+        seq.tokens.append(token)
+        seq.generated += 1
+        length_end = seq.generated >= request.max_tokens
+        delta = seq.detok.step(token, final=natural_end or length_end)
+        finish: FinishReason | None = None
+        if delta.stopped or natural_end:
+            finish = "stop"
+        elif length_end:
+            finish = "length"
+        out = EngineOutput(
+            token_ids=[token], text=delta.text, finish_reason=finish, stop_reason=delta.stop_reason
+        )
+        if request.sampling.logprobs is not None:
+            out.logprobs = [self._logprob(seq, pos, token, request.sampling.logprobs)]
+        if not seq.sent_first or finish is not None:
+            seq.sent_first = True
+            out.prompt_tokens = len(request.prompt_token_ids)
+            out.cached_tokens = seq.cached_tokens or 0
+        if finish is not None:
+            self._finish(seq)
+        seq.mailbox.put(out)
+
+    # -- deterministic outputs -------------------------------------------------------------
+
+    @staticmethod
+    def _output_vocab(tokenizer: Tokenizer, eos_token_id: int | None) -> list[int]:
+        excluded = set(tokenizer.get_added_tokens_decoder())
+        if eos_token_id is not None:
+            excluded.add(eos_token_id)
+        vocab = sorted(set(tokenizer.get_vocab(with_added_tokens=False).values()) - excluded)
+        if not vocab:
+            raise ValueError("the tokenizer has no ordinary tokens to generate")
+        return vocab
+
+    def _stream_key(self, request: GenerateRequest) -> int:
+        prompt_hash = xxhash.xxh3_64_intdigest(np.asarray(request.prompt_token_ids, dtype="<u4").tobytes())
+        seed = (request.sampling.seed or 0) & _U64
+        return xxhash.xxh3_64_intdigest(_STREAM_KEY.pack(seed, request.index & _U64, prompt_hash))
+
+    def _draw(self, stream_key: int, pos: int, tag: int, k: int = 0) -> int:
+        return xxhash.xxh3_64_intdigest(_DRAW.pack(stream_key, pos, tag, k), seed=self.config.seed & _U64)
+
+    def _logprob(self, seq: _Seq, pos: int, token: int, k: int) -> TokenLogprob:
+        # The sampled token ranks first with p >= 0.5; each alternative takes a share of the
+        # remaining mass, so probabilities sum to at most 1 and all alternatives rank below it.
+        vocab = self._vocab
+        k = min(k, len(vocab))
+        draw = self._draw(seq.stream_key, pos, _TAG_LOGPROB)
+        p = 0.5 + 0.45 * ((draw & 0xFFFF) / 0xFFFF)
+        first = math.log(p)
+        taken = {token}
+        remaining = 1.0 - p
+        alternatives: list[tuple[int, float]] = []
+        for rank in range(1, k):
+            draw = self._draw(seq.stream_key, pos, _TAG_LOGPROB, rank)
+            i = draw % len(vocab)
+            while vocab[i] in taken:
+                i = (i + 1) % len(vocab)
+            share = remaining * (0.2 + 0.4 * (((draw >> 16) & 0xFFFF) / 0xFFFF))
+            remaining -= share
+            taken.add(vocab[i])
+            alternatives.append((vocab[i], math.log(share)))
+        alternatives.sort(key=lambda item: item[1], reverse=True)
+        top = [(token, first), *alternatives] if k else []
+        return TokenLogprob(token_id=token, logprob=first, top=top)
+
+    # -- KV events -------------------------------------------------------------------------
+
+    def _publish(self, events: list[KVEvent]) -> None:
+        if not events or self._kv_closed:
+            return
+        if len(self._kv_batches) >= self.config.max_pending_kv_batches:
+            self._kv_batches.popleft()
+            self.kv_batches_dropped += 1
+            # The reader has lost events; it gets a snapshot of the cache before anything else.
+            self._kv_resync = True
+        self._kv_batches.append(KVEventBatch(ts=time.time(), events=events))
+        self._kv_ready.set()
+
+    def _close_kv_events(self) -> None:
+        self._kv_closed = True
+        self._kv_ready.set()
+
+    async def _kv_event_stream(self) -> AsyncGenerator[KVEventBatch, None]:
+        while True:
+            if self._kv_resync:
+                # Every queued batch is already reflected in the cache, so the snapshot replaces them.
+                self._kv_resync = False
+                self._kv_batches.clear()
+                yield self._snapshot()
+            elif self._kv_batches:
+                yield self._kv_batches.popleft()
+            elif self._kv_closed:
+                return
+            else:
+                self._kv_ready.clear()
+                await self._kv_ready.wait()
+
+    def _snapshot(self) -> KVEventBatch:
+        events: list[KVEvent] = [AllBlocksCleared()]
+        hashes = self._pool.cached_hashes()
+        if hashes:
+            events.append(BlockStored(block_hashes=hashes))
+        return KVEventBatch(ts=time.time(), events=events)
