@@ -120,6 +120,36 @@ class LogprobFormatter:
         return CompletionLogprobs(tokens, lps, tops, offsets)
 
 
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What one choice gained in one batch of chunks."""
+
+    choice: int
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+
+
+async def _deltas(
+    gen: Generation, states: dict[int, ChoiceState]
+) -> AsyncIterator[ChoiceDelta | ErrorInfo | None]:
+    """Per-choice deltas as chunks arrive; None when idle (send a keep-alive); an error ends it."""
+    async for batch in gen.chunks():
+        if not batch:
+            yield None
+            continue
+        for choice, chunks in _group(batch).items():
+            _record(gen, states[choice], chunks)
+            last = chunks[-1]
+            if last.error is not None:
+                yield last.error
+                return
+            text = "".join(c.text for c in chunks)
+            entries = [e for c in chunks for e in c.logprobs]
+            if text or entries or last.finish_reason is not None:
+                yield ChoiceDelta(choice, text, entries, last.finish_reason)
+
+
 # ---- chat ----------------------------------------------------------------------------------------
 
 
@@ -135,28 +165,20 @@ async def chat_stream(gen: Generation, fmt: LogprobFormatter) -> AsyncIterator[b
             yield event(_encode(ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.model,
                                                     choices=[role], usage=usage_field)), eid)
             eid += 1
-        async for batch in gen.chunks():
-            if not batch:
+        async for d in _deltas(gen, states):
+            if d is None:
                 yield KEEPALIVE
                 continue
-            for choice, chunks in _group(batch).items():
-                state = states[choice]
-                _record(gen, state, chunks)
-                last = chunks[-1]
-                if last.error is not None:
-                    yield _error_event(last.error)
-                    yield DONE
-                    return
-                text = "".join(c.text for c in chunks)
-                entries = [e for c in chunks for e in c.logprobs]
-                if not text and last.finish_reason is None and not entries:
-                    continue
-                logprobs = fmt.chat(entries) if p.sampling.logprobs is not None else None
-                delta = Delta(content=text) if text or last.finish_reason is None else Delta()
-                out = ChatChunkChoice(choice, delta, logprobs, _finish(last.finish_reason))
-                yield event(_encode(ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.model,
-                                                        choices=[out], usage=usage_field)), eid)
-                eid += 1
+            if isinstance(d, ErrorInfo):
+                yield _error_event(d)
+                yield DONE
+                return
+            logprobs = fmt.chat(d.logprobs) if p.sampling.logprobs is not None else None
+            delta = Delta(content=d.text) if d.text or d.finish_reason is None else Delta()
+            out = ChatChunkChoice(d.choice, delta, logprobs, _finish(d.finish_reason))
+            yield event(_encode(ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.model,
+                                                    choices=[out], usage=usage_field)), eid)
+            eid += 1
         if p.include_usage:
             yield event(_encode(ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.model, choices=[],
                                                     usage=total_usage(gen, states))), eid)
@@ -220,26 +242,18 @@ async def completion_stream(gen: Generation, fmt: LogprobFormatter, echo: bool) 
                 offsets[c] = len(text)
                 yield chunk([CompletionChoice(c, text)])
                 eid += 1
-        async for batch in gen.chunks():
-            if not batch:
+        async for d in _deltas(gen, states):
+            if d is None:
                 yield KEEPALIVE
                 continue
-            for choice, chunks in _group(batch).items():
-                state = states[choice]
-                _record(gen, state, chunks)
-                last = chunks[-1]
-                if last.error is not None:
-                    yield _error_event(last.error)
-                    yield DONE
-                    return
-                text = "".join(c.text for c in chunks)
-                entries = [e for c in chunks for e in c.logprobs]
-                if not text and last.finish_reason is None and not entries:
-                    continue
-                logprobs = fmt.completion(entries, offsets[choice]) if p.sampling.logprobs is not None else None
-                offsets[choice] += len(text)
-                yield chunk([CompletionChoice(choice, text, logprobs, _finish(last.finish_reason))])
-                eid += 1
+            if isinstance(d, ErrorInfo):
+                yield _error_event(d)
+                yield DONE
+                return
+            logprobs = fmt.completion(d.logprobs, offsets[d.choice]) if p.sampling.logprobs is not None else None
+            offsets[d.choice] += len(d.text)
+            yield chunk([CompletionChoice(d.choice, d.text, logprobs, _finish(d.finish_reason))])
+            eid += 1
         if p.include_usage:
             yield chunk([], total_usage(gen, states))
         yield DONE

@@ -118,3 +118,17 @@ async def test_metrics_and_ready(stack: str) -> None:
         text = (await http.get(f"{stack}/metrics")).text
     assert "ferry_time_to_first_token_seconds_bucket" in text
     assert 'ferry_requests_total{endpoint="chat",status="200"}' in text
+
+
+async def test_logprobs(client: openai.AsyncOpenAI) -> None:
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=4, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 4
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in content)
+    text = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, logprobs=1)
+    lp = text.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and len(lp.tokens) == 3
+    assert lp.text_offset == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
