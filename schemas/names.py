@@ -54,6 +54,10 @@ class RedisKeys:
         """Set of block hashes one worker holds (for one-sweep removal)."""
         return f"{self.prefix}kvw:{worker_id}"
 
-    def load(self, worker_id: str) -> str:
-        """Hash of shared router load counters for one worker."""
-        return f"{self.prefix}load:{worker_id}"
+    def frontends(self) -> str:
+        """Set of frontend ids that publish router load."""
+        return f"{self.prefix}frontends"
+
+    def load(self, frontend_id: str) -> str:
+        """One frontend's in-flight load per worker (field = worker id); expires with the frontend."""
+        return f"{self.prefix}load:{frontend_id}"

@@ -66,8 +66,33 @@ class FrontendSettings(CommonSettings):
         default_factory=lambda: f"fe-{secrets.token_hex(4)}",
         metadata=_help("unique id; names this frontend's replies topic"),
     )
-    router_policy: Literal["round_robin", "random", "least_loaded"] = dataclasses.field(
-        default="least_loaded", metadata=_help("how to pick a worker")
+    router_policy: Literal["kv", "round_robin", "random", "least_loaded"] = dataclasses.field(
+        default="kv", metadata=_help("how to pick a worker: kv = longest cached prefix weighed against load")
+    )
+    overlap_weight: float = dataclasses.field(
+        default=1.0, metadata=_help("kv: weight of prefill work (uncached prompt blocks) against decode load")
+    )
+    router_temperature: float = dataclasses.field(
+        default=0.0, metadata=_help("kv: 0 = always the cheapest worker; > 0 samples by softmax of cost")
+    )
+    kv_events: bool = dataclasses.field(
+        default=True,
+        metadata=_help("kv: use the workers' KV events in Redis; --no-kv-events = the router's own decisions"),
+    )
+    approx_ttl_s: float = dataclasses.field(
+        default=120.0, metadata=_help("kv --no-kv-events: how long a routed prompt counts as cached")
+    )
+    busy_kv_usage: float = dataclasses.field(
+        default=0.95, metadata=_help("skip workers whose KV usage is at least this")
+    )
+    busy_waiting: int = dataclasses.field(
+        default=0, metadata=_help("skip workers with at least this many waiting requests; 0 = no limit")
+    )
+    busy_wait_s: float = dataclasses.field(
+        default=5.0, metadata=_help("when every worker is busy, wait this long for one before 503")
+    )
+    max_queued_requests: int = dataclasses.field(
+        default=256, metadata=_help("requests that may wait for a non-busy worker at once; more get 503")
     )
     max_concurrent_requests: int = dataclasses.field(
         default=2048, metadata=_help("requests in flight before new ones get 503")
@@ -198,9 +223,14 @@ class StackSettings:
     redis_prefix: str = dataclasses.field(default="ferry:", metadata=_help("prefix of every Redis key"))
     model_path: str = dataclasses.field(default_factory=default_model_path, metadata=_help("model directory"))
     served_model_name: str = dataclasses.field(default=DEFAULT_MODEL_NAME, metadata=_help("model name"))
-    router_policy: Literal["round_robin", "random", "least_loaded"] = dataclasses.field(
-        default="least_loaded", metadata=_help("how the frontend picks a worker")
+    router_policy: Literal["kv", "round_robin", "random", "least_loaded"] = dataclasses.field(
+        default="kv", metadata=_help("how the frontend picks a worker")
     )
+    kv_events: bool = dataclasses.field(
+        default=True, metadata=_help("kv: use KV events (--no-kv-events: approximate from routing decisions)")
+    )
+    overlap_weight: float = dataclasses.field(default=1.0, metadata=_help("kv: weight of prefill work"))
+    router_temperature: float = dataclasses.field(default=0.0, metadata=_help("kv: softmax temperature"))
     speedup: float = dataclasses.field(default=1.0, metadata=_help("sim: divide simulated step time by this"))
     block_size: int = dataclasses.field(default=64, metadata=_help("KV block size in tokens"))
     num_blocks: int = dataclasses.field(default=16384, metadata=_help("sim: KV blocks per worker"))

@@ -19,6 +19,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvstore.kv_index import KVIndex
+from kvstore.load import LoadBoard
 from kvstore.registry import Registry
 from schemas.kafka import ErrorInfo
 from schemas.names import RedisKeys, reply_topic
@@ -46,7 +48,7 @@ from server.responses import (
     completion_full,
     completion_stream,
 )
-from server.router import Router
+from server.router import Router, RouterConfig
 from server.sse import SSEResponse
 
 log = logging.getLogger("ferry.frontend")
@@ -63,18 +65,30 @@ class Frontend:
         self.model = ModelFiles.load(Path(settings.model_path), settings.served_model_name)
         self.pre = Preprocessor(self.model, settings.tokenize_threshold_chars)
         self.fmt = LogprobFormatter(self.model)
-        self.router = Router(settings.router_policy)
+        self.router_config = RouterConfig(
+            policy=settings.router_policy,
+            overlap_weight=settings.overlap_weight,
+            temperature=settings.router_temperature,
+            busy_kv_usage=settings.busy_kv_usage,
+            busy_waiting=settings.busy_waiting,
+            kv_events=settings.kv_events,
+            approx_ttl_s=settings.approx_ttl_s,
+        )
         self.started = int(time.time())
         self.inflight = 0
         self.svc: Services | None = None
-        self._background: set[asyncio.Future[None]] = set()
+        self.background: set[asyncio.Future[None]] = set()
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
         """Connect to Redis and Kafka, start the registry view and reply consumer; undo on exit."""
         s = self.settings
         redis = aioredis.from_url(s.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
-        registry = Registry(redis, RedisKeys(s.redis_prefix))
+        keys = RedisKeys(s.redis_prefix)
+        registry = Registry(redis, keys)
+        index = KVIndex(redis, keys)
+        board = LoadBoard(redis, keys)
+        self.router = router = Router(self.router_config, self.metrics, index)
         demux = ReplyDemux(s.kafka, reply_topic(s.frontend_id))
 
         def fail_worker(worker_id: str) -> None:
@@ -87,18 +101,22 @@ class Frontend:
             log.error("worker %s vanished with %d sequence(s) in flight; they failed", worker_id, len(failed))
             # A worker that only missed heartbeats (a pause, a Redis hiccup) is still generating: stop it.
             assert self.svc is not None
-            dispatcher = self.svc.dispatcher
             for rid in failed:
-                task = asyncio.ensure_future(dispatcher.cancel(worker_id, rid))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._spawn(self.svc.dispatcher.cancel(worker_id, rid))
 
         def on_dead(worker_id: str) -> None:
             # A worker that drained cleanly left after its last chunks were acknowledged; give the reply
             # consumer one heartbeat to deliver them before calling anything still open lost.
             asyncio.get_running_loop().call_later(s.heartbeat_interval_s, fail_worker, worker_id)
+            router.forget_worker(worker_id)
+            self._spawn(index.clear_worker(worker_id))
 
-        pool = WorkerPool(registry, s.heartbeat_interval_s / 2, self.metrics, on_dead)
+        async def exchange_load() -> None:
+            router.remote = await board.exchange(s.frontend_id, router.local, 3 * s.heartbeat_interval_s)
+
+        pool = WorkerPool(
+            registry, s.heartbeat_interval_s / 2, self.metrics, on_dead, exchange_load, s.max_queued_requests
+        )
         producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(redis.aclose)
@@ -118,6 +136,7 @@ class Frontend:
                 metrics=self.metrics,
                 request_timeout_s=s.request_timeout_s,
                 keepalive_s=s.sse_keepalive_s,
+                busy_wait_s=s.busy_wait_s,
             )
             log.info(
                 "frontend %s serving %s on http://%s:%d (policy %s, %d worker(s) live)",
@@ -127,6 +146,19 @@ class Frontend:
             log.info("frontend %s stopping", s.frontend_id)
 
     # ---- helpers ---------------------------------------------------------------------------------
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        """Run best-effort work in the background, keeping a reference until it is done."""
+
+        async def guarded() -> None:
+            try:
+                await coro
+            except Exception as exc:
+                log.warning("background task failed: %r", exc)
+
+        task = asyncio.ensure_future(guarded())
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     async def body(self, request: Request) -> bytes:
         """The request body, refusing anything over the size limit without reading it all."""

@@ -15,7 +15,7 @@ from server.kafka_io import Dispatcher, ReplyDemux
 from server.metrics import FrontendMetrics
 from server.pool import WorkerPool
 from server.preprocess import Prepared
-from server.router import Router
+from server.router import AllBusy, Decision, PromptMemo, Router
 from server.streams import ClientStream, Sequence
 
 log = logging.getLogger("ferry.frontend")
@@ -34,6 +34,7 @@ class Services:
     metrics: FrontendMetrics
     request_timeout_s: float
     keepalive_s: float
+    busy_wait_s: float = 5.0
 
 
 def new_id(prefix: str) -> str:
@@ -65,13 +66,22 @@ class Generation:
     async def start(self) -> None:
         """Route and submit every sequence; raises APIError (e.g. 503) before anything was streamed."""
         p = self.prepared
-        workers = self.svc.pool.live(self.model)
-        for pi, ids in enumerate(p.prompts):
-            for c in range(p.n):
-                decision = self.svc.router.choose(self.model, workers, len(ids))
-                rid = f"{self.id}.{pi * p.n + c}"
-                self.predicted_cached_blocks += decision.predicted_cached_blocks
-                self.stream.sequences[rid] = Sequence(rid, pi * p.n + c, pi, decision.worker_id, len(ids))
+        router = self.svc.router
+        try:
+            for pi, ids in enumerate(p.prompts):
+                memo = PromptMemo(ids)
+                for c in range(p.n):
+                    decision = await self._choose(memo)
+                    router.started(decision)
+                    rid = f"{self.id}.{pi * p.n + c}"
+                    self.predicted_cached_blocks += decision.predicted_cached_blocks
+                    self.stream.sequences[rid] = Sequence(rid, pi * p.n + c, pi, decision, len(ids))
+                    self._submitted.append(self.stream.sequences[rid])
+        except BaseException:
+            for seq in self._submitted:
+                router.finished(seq.decision)
+            self._submitted.clear()
+            raise
         self.svc.demux.register(self.stream)
         deadline = time.time() + self.svc.request_timeout_s
         try:
@@ -88,13 +98,35 @@ class Generation:
                     deadline=deadline,
                     frontend_id=self.svc.frontend_id,
                 )
-                self.svc.router.started(seq.worker_id)
-                self._submitted.append(seq)
-                self.svc.metrics.router_decisions.labels(self.svc.router.policy, seq.worker_id).inc()
                 await self.svc.dispatcher.submit(seq.worker_id, req)
         except BaseException:
             await self.close()
             raise
+
+    async def _choose(self, memo: PromptMemo) -> Decision:
+        """A routing decision, waiting (bounded) while every worker is over a busy threshold."""
+        pool, router, metrics = self.svc.pool, self.svc.router, self.svc.metrics
+        deadline = time.monotonic() + self.svc.busy_wait_s
+        waited = False
+        while True:
+            try:
+                decision = await router.choose(self.model, pool.live(self.model), memo)
+            except AllBusy:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not pool.try_enter_wait():
+                    metrics.busy_waits.labels("refused").inc()
+                    raise APIError(
+                        503, "Every worker is busy; try again shortly.", code="workers_busy", retry_after=1
+                    ) from None
+                waited = True
+                try:
+                    await pool.wait_refreshed(remaining)
+                finally:
+                    pool.leave_wait()
+                continue
+            if waited:
+                metrics.busy_waits.labels("served").inc()
+            return decision
 
     async def chunks(self) -> AsyncIterator[list[tuple[Sequence, Chunk]]]:
         """Batches of chunks as they arrive; an empty batch means `keepalive_s` passed without any."""
@@ -108,6 +140,8 @@ class Generation:
                     self.first_token_at = time.perf_counter()
                     self.svc.metrics.ttft.observe(self.first_token_at - self.started_at)
                 for seq, chunk in batch:
+                    if chunk.token_ids and not seq.decision.prefilled:
+                        self.svc.router.prefilled(seq.decision)
                     if chunk.finish_reason is not None:
                         self._release(seq)
             elif now - idle_since > self.svc.request_timeout_s:
@@ -123,7 +157,7 @@ class Generation:
     def _release(self, seq: Sequence) -> None:
         if seq in self._submitted:
             self._submitted.remove(seq)
-            self.svc.router.finished(seq.worker_id)
+            self.svc.router.finished(seq.decision)
 
     async def close(self) -> None:
         """Cancel whatever is still running (client gone or error) and stop receiving chunks."""

@@ -49,6 +49,18 @@ class FrontendMetrics:
         self.worker_failures = Counter(
             "ferry_worker_failures", "Sequences ended because their worker died", registry=r
         )
+        self.router_decision_seconds = Histogram(
+            "ferry_router_decision_seconds", "Time to choose a worker", buckets=_FAST_BUCKETS, registry=r
+        )
+        self.predicted_cached_tokens = Counter(
+            "ferry_router_predicted_cached_tokens", "Prompt tokens the router expected to be cached", registry=r
+        )
+        self.kv_index_up = Gauge("ferry_router_kv_index_up", "1 while the KV index answers", registry=r)
+        self.kv_index_up.set(1)
+        self.busy_waits = Counter(
+            "ferry_router_busy_waits", "Requests that waited because every worker was busy", ["outcome"],
+            registry=r,
+        )
         self.tokenize_seconds = Histogram(
             "ferry_tokenize_seconds", "Chat templating and tokenization", buckets=_FAST_BUCKETS, registry=r
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from kvstore.registry import Registry
 from schemas.status import WorkerStatus
@@ -23,6 +23,8 @@ class WorkerPool:
         refresh_s: float,
         metrics: FrontendMetrics,
         on_dead: Callable[[str], None],
+        after_refresh: Callable[[], Awaitable[None]] | None = None,
+        max_waiters: int = 256,
     ) -> None:
         self._registry = registry
         self._refresh_s = refresh_s
@@ -31,6 +33,10 @@ class WorkerPool:
         self.workers: dict[str, WorkerStatus] = {}
         self.redis_ok = True
         self._changed = asyncio.Event()
+        self._refreshed = asyncio.Event()
+        self._after_refresh = after_refresh
+        self._max_waiters = max_waiters
+        self._waiters = 0
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -63,8 +69,27 @@ class WorkerPool:
         self._changed.clear()
         await self._changed.wait()
 
+    def try_enter_wait(self) -> bool:
+        """Take a place in the bounded queue of requests waiting for a non-busy worker."""
+        if self._waiters >= self._max_waiters:
+            return False
+        self._waiters += 1
+        return True
+
+    def leave_wait(self) -> None:
+        """Give the place back."""
+        self._waiters -= 1
+
+    async def wait_refreshed(self, timeout_s: float) -> None:
+        """Wait for the next registry refresh (fresh load and busy flags), at most `timeout_s`."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._refreshed.wait()
+        except TimeoutError:
+            pass
+
     async def refresh(self) -> None:
-        """Read the registry now."""
+        """Read the registry now (and exchange router load with other frontends)."""
         t0 = time.perf_counter()
         live, dead = await self._registry.snapshot()
         self._metrics.redis_seconds.labels("registry").observe(time.perf_counter() - t0)
@@ -80,6 +105,11 @@ class WorkerPool:
         self._metrics.live_workers.set(len(new))
         if added or gone:
             self._changed.set()
+        if self._after_refresh is not None:
+            await self._after_refresh()
+        # Wake everyone waiting for a refresh, then re-arm for the next one.
+        self._refreshed.set()
+        self._refreshed.clear()
 
     def _mark_down(self, exc: BaseException) -> None:
         self._metrics.redis_errors.inc()
@@ -88,17 +118,20 @@ class WorkerPool:
             self.redis_ok = False
             self._metrics.redis_up.set(0)
 
+    async def tick(self) -> bool:
+        """One refresh that never raises: notes Redis going away and coming back; True if it worked."""
+        try:
+            await self.refresh()
+        except Exception as exc:
+            self._mark_down(exc)
+            return False
+        if not self.redis_ok:
+            log.info("Redis reachable again")
+            self.redis_ok = True
+            self._metrics.redis_up.set(1)
+        return True
+
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self._refresh_s)  # the refresh period
-            try:
-                await self.refresh()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self._mark_down(exc)
-                continue
-            if not self.redis_ok:
-                log.info("Redis reachable again")
-                self.redis_ok = True
-                self._metrics.redis_up.set(1)
+            await self.tick()

@@ -1,63 +1,239 @@
-"""Routing policies: which live worker gets a request."""
+"""Routing policies: which live worker gets a sequence.
+
+`kv` (default) weighs how much of the prompt a worker already caches against its load:
+
+    prefill_blocks(w) = (in-flight prefill tokens of w + prompt tokens) / block_size - overlap(w)
+    decode_blocks(w)  = active decode blocks of w + prompt blocks
+    cost(w)           = overlap_weight * prefill_blocks(w) + decode_blocks(w)
+
+Lowest cost wins, ties at random; with a temperature T > 0 the choice is sampled with probability
+proportional to exp(-(cost - min) / ((max - min) * T)). Load is this frontend's own exact in-flight
+counts plus what other frontends published through Redis.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 import random
-from collections import Counter
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
+from kvstore.hashing import block_hashes, chain_seed
+from kvstore.kv_index import KVIndex
+from kvstore.load import WorkerLoad
 from schemas.status import WorkerStatus
+from server.approx_index import ApproxIndex
 from server.errors import APIError
+from server.metrics import FrontendMetrics
+
+log = logging.getLogger("ferry.router")
+
+POLICIES = ("kv", "round_robin", "random", "least_loaded")
+
+
+class AllBusy(Exception):
+    """Every live worker is over a busy threshold."""
 
 
 @dataclass(frozen=True)
+class RouterConfig:
+    """The router's knobs (from FrontendSettings)."""
+
+    policy: str = "kv"
+    overlap_weight: float = 1.0
+    temperature: float = 0.0
+    busy_kv_usage: float = 0.95
+    busy_waiting: int = 0
+    kv_events: bool = True
+    approx_ttl_s: float = 120.0
+
+
+@dataclass
 class Decision:
-    """The chosen worker and what the router expected there."""
+    """The chosen worker, what the router expected there, and the load it charged."""
 
     worker_id: str
     predicted_cached_blocks: int = 0
+    prefill_tokens: int = 0
+    decode_blocks: int = 0
+    prefilled: bool = False
+
+
+@dataclass
+class PromptMemo:
+    """Block hashes of one prompt, computed once for all its choices."""
+
+    tokens: list[int]
+    lora_name: str | None = None
+    hashes: dict[int, list[int]] = field(default_factory=dict)
+
+    def chain(self, model: str, block_size: int) -> list[int]:
+        """Chained hashes of the prompt's full blocks."""
+        if block_size not in self.hashes:
+            self.hashes[block_size] = block_hashes(self.tokens, block_size, chain_seed(model, self.lora_name))
+        return self.hashes[block_size]
 
 
 class Router:
-    """round_robin, random and least_loaded over live workers, with this frontend's in-flight counts."""
+    """Chooses workers and keeps this frontend's in-flight load per worker."""
 
-    def __init__(self, policy: str, rng: random.Random | None = None) -> None:
-        self.policy = policy
+    def __init__(
+        self,
+        config: RouterConfig,
+        metrics: FrontendMetrics,
+        index: KVIndex | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.policy = config.policy
+        self._metrics = metrics
+        self._index = index if config.kv_events else None
+        self.approx = ApproxIndex(config.approx_ttl_s) if not config.kv_events else None
         self._rng = rng or random.Random()
         self._rr = 0
-        self.inflight: Counter[str] = Counter()
+        self.local: dict[str, WorkerLoad] = {}
+        self.remote: dict[str, WorkerLoad] = {}
+        self.index_ok = True
 
-    def choose(self, model: str, workers: list[WorkerStatus], prompt_len: int) -> Decision:
-        """Pick a worker for one sequence of `prompt_len` tokens."""
+    # ---- choosing --------------------------------------------------------------------------------
+
+    def available(self, workers: list[WorkerStatus]) -> list[WorkerStatus]:
+        """Workers under the busy thresholds."""
+        c = self.config
+
+        def busy(w: WorkerStatus) -> bool:
+            return w.kv_usage >= c.busy_kv_usage or (c.busy_waiting > 0 and w.waiting >= c.busy_waiting)
+
+        return [w for w in workers if not busy(w)]
+
+    async def choose(self, model: str, workers: list[WorkerStatus], prompt: PromptMemo) -> Decision:
+        """Pick a worker for one sequence; raises AllBusy, or a 503 APIError if none is live."""
         if not workers:
             raise APIError(
                 503, f"No live worker serves the model `{model}` right now.", code="no_workers", retry_after=1
             )
+        candidates = self.available(workers)
+        if not candidates:
+            raise AllBusy()
+        t0 = time.perf_counter()
+        block_size = candidates[0].block_size
+        prompt_blocks = math.ceil(len(prompt.tokens) / block_size)
+        overlap = 0
         if self.policy == "random":
-            w = self._rng.choice(workers)
+            w = self._rng.choice(candidates)
         elif self.policy == "round_robin":
-            ordered = sorted(workers, key=lambda w: w.worker_id)
+            ordered = sorted(candidates, key=lambda w: w.worker_id)
             w = ordered[self._rr % len(ordered)]
             self._rr += 1
+        elif self.policy == "least_loaded":
+            w = self._least_loaded(candidates)
         else:
-            w = self._least_loaded(workers)
-        return Decision(w.worker_id)
+            chain = prompt.chain(model, block_size)
+            overlaps = await self._overlaps(model, chain)
+            w, overlap = self._cheapest(candidates, overlaps, len(prompt.tokens), prompt_blocks)
+            if self.approx is not None:
+                self.approx.record(model, w.worker_id, chain)
+        self._metrics.router_decision_seconds.observe(time.perf_counter() - t0)
+        self._metrics.router_decisions.labels(self.policy, w.worker_id).inc()
+        self._metrics.predicted_cached_tokens.inc(overlap * block_size)
+        return Decision(
+            worker_id=w.worker_id,
+            predicted_cached_blocks=overlap,
+            prefill_tokens=max(0, len(prompt.tokens) - overlap * block_size),
+            decode_blocks=prompt_blocks,
+        )
+
+    async def _overlaps(self, model: str, chain: list[int]) -> dict[str, int]:
+        if self.approx is not None:
+            return self.approx.overlaps(model, chain)
+        if self._index is None:
+            return {}
+        t0 = time.perf_counter()
+        try:
+            found = await self._index.overlaps(model, chain)
+        except Exception as exc:
+            # Never fail a request because the index is down: route by load alone meanwhile.
+            self._metrics.redis_errors.inc()
+            if self.index_ok:
+                log.error("KV index unreachable (%r): routing by load only until it is back", exc)
+                self.index_ok = False
+                self._metrics.kv_index_up.set(0)
+            return {}
+        self._metrics.redis_seconds.labels("kv_lookup").observe(time.perf_counter() - t0)
+        if not self.index_ok:
+            log.info("KV index reachable again: cache-aware routing resumed")
+            self.index_ok = True
+            self._metrics.kv_index_up.set(1)
+        return found
+
+    def load(self, worker_id: str) -> WorkerLoad:
+        """This frontend's plus the other frontends' in-flight load on `worker_id`."""
+        total = WorkerLoad()
+        for part in (self.local.get(worker_id), self.remote.get(worker_id)):
+            if part is not None:
+                total.add(part)
+        return total
+
+    def _cheapest(
+        self, workers: list[WorkerStatus], overlaps: dict[str, int], prompt_tokens: int, prompt_blocks: int
+    ) -> tuple[WorkerStatus, int]:
+        weight = self.config.overlap_weight
+        costs: list[float] = []
+        for w in workers:
+            load = self.load(w.worker_id)
+            overlap = overlaps.get(w.worker_id, 0)
+            prefill_blocks = (load.prefill_tokens + prompt_tokens) / w.block_size - overlap
+            decode_blocks = load.decode_blocks + prompt_blocks
+            costs.append(weight * prefill_blocks + decode_blocks)
+        lo, hi = min(costs), max(costs)
+        t = self.config.temperature
+        if t > 0 and hi > lo:
+            weights = [math.exp(-(c - lo) / ((hi - lo) * t)) for c in costs]
+            i = self._rng.choices(range(len(workers)), weights=weights)[0]
+        else:
+            i = self._rng.choice([j for j, c in enumerate(costs) if c == lo])
+        chosen = workers[i]
+        return chosen, overlaps.get(chosen.worker_id, 0)
 
     def _least_loaded(self, workers: list[WorkerStatus]) -> WorkerStatus:
-        # This frontend's own in-flight count is exact and current; the heartbeat's waiting count
-        # adds what other frontends queued there.
+        # In-flight sequences from every frontend, plus what the worker itself reports queued.
         def load(w: WorkerStatus) -> int:
-            return self.inflight[w.worker_id] + w.waiting
+            return self.load(w.worker_id).sequences + w.waiting
 
         best = min(load(w) for w in workers)
         return self._rng.choice([w for w in workers if load(w) == best])
 
-    def started(self, worker_id: str) -> None:
-        """A sequence was sent to `worker_id`."""
-        self.inflight[worker_id] += 1
+    # ---- load accounting -------------------------------------------------------------------------
 
-    def finished(self, worker_id: str) -> None:
-        """A sequence on `worker_id` ended."""
-        self.inflight[worker_id] -= 1
-        if self.inflight[worker_id] <= 0:
-            del self.inflight[worker_id]
+    def started(self, d: Decision) -> None:
+        """A sequence was sent to `d.worker_id`."""
+        load = self.local.setdefault(d.worker_id, WorkerLoad())
+        load.prefill_tokens += d.prefill_tokens
+        load.decode_blocks += d.decode_blocks
+        load.sequences += 1
+
+    def prefilled(self, d: Decision) -> None:
+        """The sequence produced its first token: its prompt is no longer pending prefill."""
+        if not d.prefilled:
+            d.prefilled = True
+            load = self.local.get(d.worker_id)
+            if load is not None:
+                load.prefill_tokens -= d.prefill_tokens
+
+    def finished(self, d: Decision) -> None:
+        """The sequence ended."""
+        load = self.local.get(d.worker_id)
+        if load is None:
+            return
+        if not d.prefilled:
+            load.prefill_tokens -= d.prefill_tokens
+        load.decode_blocks -= d.decode_blocks
+        load.sequences -= 1
+        if load.sequences <= 0:
+            del self.local[d.worker_id]
+
+    def forget_worker(self, worker_id: str) -> None:
+        """A worker died: drop what the approximate index believed about it."""
+        if self.approx is not None:
+            self.approx.forget_worker(worker_id)

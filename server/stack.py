@@ -45,6 +45,9 @@ def _frontend_argv(s: StackSettings, kafka: str, redis: str, port: int) -> list[
         "--model-path", s.model_path,
         "--served-model-name", s.served_model_name,
         "--router-policy", s.router_policy,
+        "--kv-events" if s.kv_events else "--no-kv-events",
+        "--overlap-weight", str(s.overlap_weight),
+        "--router-temperature", str(s.router_temperature),
         "--heartbeat-interval-s", str(s.heartbeat_interval_s),
         "--log-level", s.log_level,
     ]

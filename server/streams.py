@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from schemas.kafka import Chunk, ErrorInfo
+from server.router import Decision
 
 
 @dataclass
@@ -16,10 +17,15 @@ class Sequence:
     request_id: str
     choice: int
     prompt_index: int
-    worker_id: str
+    decision: Decision
     prompt_len: int
     next_seq: int = 0
     finished: bool = False
+
+    @property
+    def worker_id(self) -> str:
+        """The worker serving this sequence."""
+        return self.decision.worker_id
 
 
 @dataclass

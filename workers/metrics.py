@@ -29,6 +29,13 @@ class WorkerMetrics:
         self.kafka_send_errors = Counter(
             "ferry_worker_kafka_send_errors", "Reply chunks Kafka failed to take", registry=r
         )
+        self.kv_events = Counter("ferry_worker_kv_events", "KV events written to the index", registry=r)
+        self.kv_publish_errors = Counter(
+            "ferry_worker_kv_publish_errors", "KV event writes Redis did not take", registry=r
+        )
+        self.kv_index_resets = Counter(
+            "ferry_worker_kv_index_resets", "Times the backlog overflowed and the index was rebuilt", registry=r
+        )
         self.heartbeat_errors = Counter(
             "ferry_worker_heartbeat_errors", "Heartbeats Redis did not take", registry=r
         )

@@ -13,6 +13,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
+from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
 from schemas.kafka import (
     Cancel,
@@ -27,6 +28,7 @@ from schemas.names import RedisKeys, request_topic
 from schemas.settings import WorkerSettings
 from schemas.status import WorkerStatus
 from workers.engine import Engine, EngineDead, EngineError
+from workers.kv_publisher import KVPublisher
 from workers.metrics import WorkerMetrics
 
 log = logging.getLogger("ferry.worker")
@@ -78,6 +80,8 @@ class Worker:
         self._metrics_url = self.metrics.serve(s.metrics_host, s.metrics_port)
         redis = aioredis.from_url(s.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
         self._registry = Registry(redis, RedisKeys(s.redis_prefix))
+        self._kv_index = KVIndex(redis, RedisKeys(s.redis_prefix))
+        self._kv = KVPublisher(self._kv_index, s.worker_id, s.served_model_name, self.metrics)
         await self.engine.start()
         await ensure_topic(s.kafka, self.topic)
         self._producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
@@ -93,6 +97,8 @@ class Worker:
         consumer.assign([TopicPartition(self.topic, 0)])
         tasks: list[asyncio.Task[None]] = []
         try:
+            # A previous process under this id may have left index entries its cache no longer backs.
+            await self._kv_index.clear_worker(s.worker_id)
             # Register only once the inbox is positioned, so nothing routed to us can be missed.
             await self._heartbeat_once()
             self.ready.set()
@@ -193,6 +199,7 @@ class Worker:
         assert self._registry is not None
         try:
             await asyncio.shield(self._registry.remove(self.settings.worker_id))
+            await asyncio.shield(self._kv_index.clear_worker(self.settings.worker_id))
         except Exception as exc:  # the TTL removes us anyway
             log.warning("could not leave the registry (%r); it expires in %.1fs", exc, self._ttl_s())
 
@@ -407,8 +414,5 @@ class Worker:
             await self.engine.check_health()
 
     async def _drain_kv_events(self) -> None:
-        # The KV index arrives with cache-aware routing; until then the batches are read and dropped
-        # so the engine's queue never fills.
-        async for _batch in self.engine.kv_events():
-            pass
+        await self._kv.run(self.engine.kv_events())
 

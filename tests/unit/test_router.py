@@ -1,4 +1,4 @@
-"""Routing policies over a fixed set of workers."""
+"""Routing policies and the kv cost function, over a fixed set of workers."""
 
 from __future__ import annotations
 
@@ -7,42 +7,157 @@ from collections import Counter
 
 import pytest
 
+from kvstore.hashing import block_hashes, chain_seed
 from schemas.status import WorkerStatus
 from server.errors import APIError
-from server.router import Router
+from server.metrics import FrontendMetrics
+from server.router import AllBusy, PromptMemo, Router, RouterConfig
 
 
-def _w(wid: str, waiting: int = 0) -> WorkerStatus:
-    return WorkerStatus(wid, "m", "sim", 64, 100, 2048, 0.0, 0.0, waiting=waiting)
+def _w(wid: str, waiting: int = 0, kv_usage: float = 0.0) -> WorkerStatus:
+    return WorkerStatus(wid, "m", "sim", 16, 1000, 4096, 0.0, 0.0, waiting=waiting, kv_usage=kv_usage)
 
 
-def test_round_robin_cycles() -> None:
-    r = Router("round_robin")
+class FakeIndex:
+    """Overlaps by worker, as the Redis index would answer them; `fail` simulates an outage."""
+
+    def __init__(self, held: dict[str, int]) -> None:
+        self.held = held
+        self.fail = False
+        self.calls = 0
+
+    async def overlaps(self, model: str, chain: list[int]) -> dict[str, int]:
+        self.calls += 1
+        if self.fail:
+            raise ConnectionError("redis down")
+        return {w: min(n, len(chain)) for w, n in self.held.items() if n}
+
+
+def _router(policy: str = "kv", index: FakeIndex | None = None, seed: int = 0, **cfg: object) -> Router:
+    return Router(RouterConfig(policy=policy, **cfg), FrontendMetrics(), index, random.Random(seed))  # type: ignore[arg-type]
+
+
+PROMPT = list(range(160))  # 10 blocks of 16
+
+
+async def test_round_robin_cycles() -> None:
+    r = _router("round_robin")
     workers = [_w("b"), _w("a"), _w("c")]
-    assert [r.choose("m", workers, 10).worker_id for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+    picks = [(await r.choose("m", workers, PromptMemo(PROMPT))).worker_id for _ in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
 
 
-def test_random_covers_every_worker() -> None:
-    r = Router("random", random.Random(0))
-    picks = Counter(r.choose("m", [_w("a"), _w("b")], 10).worker_id for _ in range(200))
+async def test_random_covers_every_worker() -> None:
+    r = _router("random")
+    picks = Counter([(await r.choose("m", [_w("a"), _w("b")], PromptMemo(PROMPT))).worker_id for _ in range(200)])
     assert set(picks) == {"a", "b"} and min(picks.values()) > 50
 
 
-def test_least_loaded_uses_inflight_and_reported_waiting() -> None:
-    r = Router("least_loaded", random.Random(0))
-    workers = [_w("a"), _w("b", waiting=3)]
+async def test_least_loaded_counts_local_remote_and_waiting() -> None:
+    r = _router("least_loaded")
+    workers = [_w("a"), _w("b", waiting=2)]
+    for _ in range(2):
+        r.started(await r.choose("m", workers, PromptMemo(PROMPT)))
+    assert r.local["a"].sequences == 2
+    r.remote = {"b": r.local["a"].__class__(0, 0, 1)}  # another frontend has 1 on b: b = 3, a = 2
+    assert (await r.choose("m", workers, PromptMemo(PROMPT))).worker_id == "a"
+
+
+async def test_kv_prefers_the_holder_of_a_long_prefix() -> None:
+    idx = FakeIndex({"b": 8})
+    r = _router(index=idx)
+    d = await r.choose("m", [_w("a"), _w("b"), _w("c")], PromptMemo(PROMPT))
+    assert (d.worker_id, d.predicted_cached_blocks) == ("b", 8)
+    assert d.prefill_tokens == 160 - 8 * 16 and d.decode_blocks == 10
+
+
+async def test_kv_load_pushes_requests_away_from_a_busy_holder() -> None:
+    r = _router(index=FakeIndex({"b": 4}))
+    workers = [_w("a"), _w("b")]
+    first = await r.choose("m", workers, PromptMemo(PROMPT))
+    assert first.worker_id == "b"
+    # Pile work onto b: each sequence adds its prefill tokens and decode blocks there.
     for _ in range(3):
-        d = r.choose("m", workers, 10)
-        r.started(d.worker_id)
-    assert r.inflight == Counter({"a": 3})
-    r.started("a")  # a: 4 in flight; b: 3 waiting
-    assert r.choose("m", workers, 10).worker_id == "b"
-    for _ in range(4):
-        r.finished("a")
-    assert "a" not in r.inflight
+        r.started(first)
+    assert (await r.choose("m", workers, PromptMemo(PROMPT))).worker_id == "a"
+    for _ in range(3):
+        r.finished(first)
+    assert "b" not in r.local
+    assert (await r.choose("m", workers, PromptMemo(PROMPT))).worker_id == "b"
 
 
-def test_no_workers_is_503() -> None:
+async def test_prefill_load_drops_at_first_token() -> None:
+    r = _router(index=FakeIndex({}))
+    d = await r.choose("m", [_w("a")], PromptMemo(PROMPT))
+    r.started(d)
+    assert r.local["a"].prefill_tokens == 160
+    r.prefilled(d)
+    r.prefilled(d)  # idempotent
+    assert r.local["a"].prefill_tokens == 0 and r.local["a"].decode_blocks == 10
+    r.finished(d)
+    assert r.local == {}
+
+
+async def test_overlap_weight_zero_ignores_the_cache() -> None:
+    r = _router(index=FakeIndex({"b": 9}), overlap_weight=0.0)
+    r.started(await r.choose("m", [_w("b")], PromptMemo(PROMPT)))  # b now carries decode load
+    assert (await r.choose("m", [_w("a"), _w("b")], PromptMemo(PROMPT))).worker_id == "a"
+
+
+async def test_temperature_spreads_choices() -> None:
+    idx = FakeIndex({"b": 2})
+    cold = _router(index=idx)
+    hot = _router(index=idx, temperature=5.0)
+    workers = [_w("a"), _w("b"), _w("c")]
+    cold_picks = Counter([(await cold.choose("m", workers, PromptMemo(PROMPT))).worker_id for _ in range(100)])
+    hot_picks = Counter([(await hot.choose("m", workers, PromptMemo(PROMPT))).worker_id for _ in range(300)])
+    assert cold_picks == Counter({"b": 100})
+    assert set(hot_picks) == {"a", "b", "c"} and hot_picks.most_common(1)[0][0] == "b"
+
+
+async def test_busy_workers_are_skipped_and_all_busy_raises() -> None:
+    r = _router(index=FakeIndex({"a": 9}), busy_kv_usage=0.9, busy_waiting=5)
+    workers = [_w("a", kv_usage=0.95), _w("b", waiting=5), _w("c")]
+    assert (await r.choose("m", workers, PromptMemo(PROMPT))).worker_id == "c"
+    with pytest.raises(AllBusy):
+        await r.choose("m", workers[:2], PromptMemo(PROMPT))
     with pytest.raises(APIError) as exc:
-        Router("least_loaded").choose("m", [], 10)
-    assert exc.value.status == 503 and exc.value.retry_after == 1
+        await r.choose("m", [], PromptMemo(PROMPT))
+    assert exc.value.status == 503
+
+
+async def test_index_outage_falls_back_to_load_and_recovers() -> None:
+    idx = FakeIndex({"b": 9})
+    r = _router(index=idx)
+    idx.fail = True
+    workers = [_w("a"), _w("b")]
+    r.started(await r.choose("m", workers, PromptMemo(PROMPT)))  # no overlap known: any worker
+    assert not r.index_ok
+    busy = next(iter(r.local))
+    other = "a" if busy == "b" else "b"
+    assert (await r.choose("m", workers, PromptMemo(PROMPT))).worker_id == other  # by load
+    idx.fail = False
+    r.local.clear()
+    assert (await r.choose("m", workers, PromptMemo(PROMPT))).worker_id == "b"
+    assert r.index_ok
+
+
+async def test_approximate_mode_learns_from_its_own_decisions() -> None:
+    r = _router(kv_events=False, approx_ttl_s=60)
+    workers = [_w("a"), _w("b")]
+    first = await r.choose("m", workers, PromptMemo(PROMPT))
+    assert first.predicted_cached_blocks == 0
+    again = await r.choose("m", workers, PromptMemo(PROMPT))
+    assert (again.worker_id, again.predicted_cached_blocks) == (first.worker_id, 10)
+    assert r.approx is not None
+    chain = block_hashes(PROMPT, 16, chain_seed("m"))
+    assert r.approx.overlaps("m", chain, now=1e12) == {}  # forgotten after the TTL
+    r.forget_worker(first.worker_id)
+    assert r.approx.overlaps("m", chain) == {}
+
+
+def test_prompt_memo_hashes_once_per_block_size() -> None:
+    memo = PromptMemo(PROMPT, lora_name="x")
+    assert memo.chain("m", 16) is memo.chain("m", 16)
+    assert memo.chain("m", 16) == block_hashes(PROMPT, 16, chain_seed("m", "x"))
+    assert memo.chain("m", 16) != block_hashes(PROMPT, 16, chain_seed("m"))

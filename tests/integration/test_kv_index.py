@@ -1,0 +1,58 @@
+"""The KV block index against a real Redis."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from kvstore.hashing import block_hashes, chain_seed
+from kvstore.kv_index import KVIndex
+from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from schemas.names import RedisKeys
+
+pytestmark = pytest.mark.integration
+
+SEED = chain_seed("m")
+
+
+def _batch(*events: object) -> KVEventBatch:
+    return KVEventBatch(time.time(), list(events))  # type: ignore[arg-type]
+
+
+async def test_leading_overlap_per_worker(redis_url: str, prefix: str) -> None:
+    idx = KVIndex(aioredis.from_url(redis_url), RedisKeys(prefix))
+    chain = block_hashes(list(range(640)), 64, SEED)  # 10 blocks
+    await idx.apply("a", "m", _batch(BlockStored(chain[:6])))
+    await idx.apply("b", "m", _batch(BlockStored(chain[:2]), BlockStored(chain[3:10])))  # gap at block 2
+    await idx.apply("c", "m", _batch(BlockStored(chain[5:])))  # no first block: no overlap
+    assert await idx.overlaps("m", chain) == {"a": 6, "b": 2}
+    assert await idx.overlaps("other-model", chain) == {}
+    assert await idx.overlaps("m", []) == {}
+    await idx.apply("a", "m", _batch(BlockRemoved([chain[3]])))
+    assert await idx.overlaps("m", chain) == {"a": 3, "b": 2}
+
+
+async def test_cleared_and_swept_workers_vanish(redis_url: str, prefix: str) -> None:
+    client = aioredis.from_url(redis_url)
+    keys = RedisKeys(prefix)
+    idx = KVIndex(client, keys)
+    chain = block_hashes(list(range(256)), 64, SEED)
+    await idx.apply("a", "m", _batch(BlockStored(chain)))
+    await idx.apply("b", "m", _batch(BlockStored(chain)))
+    await idx.apply("a", "m", _batch(AllBlocksCleared(), BlockStored(chain[:1])))  # cleared, then refilled
+    assert await idx.overlaps("m", chain) == {"a": 1, "b": 4}
+    await idx.clear_worker("b")
+    assert await idx.overlaps("m", chain) == {"a": 1}
+    assert await client.exists(keys.worker_blocks("b")) == 0
+    await idx.clear_worker("a")
+    assert await client.keys(f"{prefix}kv*") == []
+
+
+async def test_full_64_bit_hashes_survive_lua(redis_url: str, prefix: str) -> None:
+    idx = KVIndex(aioredis.from_url(redis_url), RedisKeys(prefix))
+    big = [2**64 - 1, 2**63 + 1]
+    await idx.apply("a", "m", _batch(BlockStored(big)))
+    assert await idx.overlaps("m", big) == {"a": 2}
+    assert await idx.overlaps("m", [2**64 - 2]) == {}

@@ -1,0 +1,138 @@
+"""Cache-aware routing with real workers, broker and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+
+from kvstore.hashing import block_hashes, chain_seed
+from kvstore.kv_index import KVIndex
+from schemas.names import RedisKeys
+from server.services import Child, free_port, start_redis
+from tests.harness import Harness, harness
+
+pytestmark = pytest.mark.integration
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest_asyncio.fixture
+async def h(kafka: str, redis_url: str, prefix: str, model_path: Path) -> AsyncIterator[Harness]:
+    async with harness(kafka, redis_url, prefix, model_path) as hh:
+        yield hh
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 40000 + 100 for i in range(n)]
+
+
+async def _complete(c: httpx.AsyncClient, prompt: list[int], max_tokens: int = 4) -> httpx.Response:
+    r = await c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens})
+    assert r.status_code == 200, r.text
+    return r
+
+
+async def test_shared_prefix_goes_to_its_holder_and_is_reported_cached(h: Harness) -> None:
+    for _ in range(4):
+        await h.add_worker()
+    _fe, url = await h.add_frontend()
+    shared = _prompt(1, 640)  # 10 blocks of 64
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        first = await _complete(c, shared + _prompt(2, 50))
+        holder = first.headers["x-ferry-worker"]
+        assert first.headers["x-ferry-predicted-cached-blocks"] == "0"
+        for tail in range(3, 8):
+            r = await _complete(c, shared + _prompt(tail, 50))
+            assert r.headers["x-ferry-worker"] == holder
+            assert r.headers["x-ferry-predicted-cached-blocks"] == "10"
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 640
+        other = await _complete(c, _prompt(99, 640))
+        assert other.headers["x-ferry-predicted-cached-blocks"] == "0"
+
+
+async def test_two_frontends_share_load(h: Harness) -> None:
+    a = await h.add_worker(speedup=1.0)
+    b = await h.add_worker(speedup=1.0)
+    fe1, url1 = await h.add_frontend(router_policy="least_loaded")
+    fe2, url2 = await h.add_frontend(router_policy="least_loaded")
+    async with httpx.AsyncClient(base_url=url1, timeout=60) as c1, httpx.AsyncClient(base_url=url2, timeout=60) as c2:
+        long_body = {"model": MODEL, "prompt": _prompt(5, 100), "max_tokens": 3000, "ignore_eos": True,
+                     "stream": True}
+        async with c1.stream("POST", "/v1/completions", json=long_body) as r1:
+            busy = r1.headers["x-ferry-worker"]
+            assert fe1.router.local[busy].sequences == 1
+            # Frontend 1 publishes its load on its next refresh; frontend 2 reads it on its own.
+            assert fe1.svc is not None and fe2.svc is not None
+            await fe1.svc.pool.refresh()
+            await fe2.svc.pool.refresh()
+            assert fe2.router.remote[busy].sequences == 1
+            for i in range(4):
+                r = await _complete(c2, _prompt(10 + i, 100))
+                assert r.headers["x-ferry-worker"] != busy
+    assert {a.worker.settings.worker_id, b.worker.settings.worker_id} >= {busy}
+
+
+async def test_dead_worker_leaves_the_index(
+    h: Harness, kafka: str, redis_url: str, prefix: str, model_path: Path
+) -> None:
+    child = await Child.spawn(
+        "victim",
+        [sys.executable, "-m", "workers", "--worker-id", "victim", "--kafka", kafka, "--redis", redis_url,
+         "--redis-prefix", prefix, "--model-path", str(model_path), "--heartbeat-interval-s", "0.2",
+         "--speedup", "50"],
+        echo=False,
+    )
+    try:
+        await child.wait_for_line(lambda line: " ready: " in line, 60)
+        fe, url = await h.add_frontend()
+        prompt = _prompt(3, 640)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            assert (await _complete(c, prompt)).headers["x-ferry-worker"] == "victim"
+        index = KVIndex(aioredis.from_url(redis_url), RedisKeys(prefix))
+        chain = block_hashes(prompt, 64, chain_seed(MODEL))
+        assert (await index.overlaps(MODEL, chain)) == {"victim": 10}
+        child.kill()
+        assert fe.svc is not None
+        async with asyncio.timeout(20):
+            while "victim" in fe.svc.pool.workers:
+                await fe.svc.pool.wait_changed()
+        # The sweep was started in the background when the worker was seen dead.
+        await asyncio.wait_for(asyncio.gather(*fe.background), 10)
+        assert await index.overlaps(MODEL, chain) == {}
+    finally:
+        await child.stop()
+
+
+async def test_redis_stopped_and_restarted(kafka: str, prefix: str, model_path: Path) -> None:
+    port = free_port()
+    redis_child, url = await start_redis(port)
+    async with harness(kafka, url, prefix, model_path) as hh:
+        w = await hh.add_worker()
+        fe, base = await hh.add_frontend()
+        async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+            await _complete(c, _prompt(1, 200))
+            await redis_child.stop()
+            # Routing degrades to local load; requests still flow over Kafka.
+            for i in range(3):
+                await _complete(c, [*_prompt(1, 200), i + 5])
+            assert not fe.router.index_ok
+            assert fe.svc is not None
+            assert not await fe.svc.pool.tick()
+            assert not fe.svc.pool.redis_ok
+            assert w.worker.settings.worker_id in fe.svc.pool.workers  # the last known view is kept
+            redis_child, _ = await start_redis(port)
+            # Heartbeats re-register the worker in the empty Redis; the frontend picks it up again.
+            async with asyncio.timeout(15):
+                while not (await fe.svc.pool.tick() and w.worker.settings.worker_id in fe.svc.pool.workers):
+                    await fe.svc.pool.wait_refreshed(1.0)
+            await _complete(c, _prompt(2, 200))
+            await _complete(c, _prompt(2, 200))
+            assert fe.router.index_ok
+    await redis_child.stop()
