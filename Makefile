@@ -17,6 +17,7 @@ run: setup
 
 test: model
 	@$(VENV)/bin/ruff check --quiet .
+	@$(VENV)/bin/mypy --no-error-summary schemas kvstore workers server tests
 	@$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: setup

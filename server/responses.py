@@ -109,7 +109,10 @@ class LogprobFormatter:
 
     def completion(self, entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
         """Legacy completion-style logprobs, text offsets counted from `offset`."""
-        tokens, lps, tops, offsets = [], [], [], []
+        tokens: list[str] = []
+        lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         for e in entries:
             tok = self.token(e.token_id)
             tokens.append(tok)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable
@@ -251,9 +252,9 @@ class Worker:
         task = asyncio.create_task(self._serve(req), name=f"serve-{req.request_id}")
         self._inflight[req.request_id] = task
         self.idle.clear()
-        task.add_done_callback(lambda _t, rid=req.request_id: self._done(rid))
+        task.add_done_callback(functools.partial(self._done, req.request_id))
 
-    def _done(self, request_id: str) -> None:
+    def _done(self, request_id: str, _task: asyncio.Task[None]) -> None:
         self._inflight.pop(request_id, None)
         if not self._inflight:
             self.idle.set()

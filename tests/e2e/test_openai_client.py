@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import httpx
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 import pytest_asyncio
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.e2e
 T = TypeVar("T")
 
 MODEL = "SmolLM2-135M-Instruct"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest_asyncio.fixture(scope="session")
@@ -100,7 +101,7 @@ async def test_errors(client: openai.AsyncOpenAI, stack: str) -> None:
         await client.chat.completions.create(model="gpt-9", messages=QUESTION)
     assert nf.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as bad:
-        await client.chat.completions.create(model=MODEL, messages=QUESTION, temperature="hot")  # type: ignore[arg-type]
+        await client.chat.completions.create(model=MODEL, messages=QUESTION, temperature="hot")  # type: ignore[call-overload]
     assert bad.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as long:
         await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 9000}])

@@ -6,6 +6,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from starlette.types import Message
+
 from server.sse import DONE, SSEResponse, event
 
 
@@ -16,17 +18,17 @@ def test_event_framing() -> None:
 
 
 async def test_streams_every_event_then_ends() -> None:
-    sent: list[dict[str, Any]] = []
+    sent: list[Message] = []
 
     async def events() -> AsyncIterator[bytes]:
         yield event(b"1", 0)
         yield DONE
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         await asyncio.Event().wait()  # the client never disconnects
         return {}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         sent.append(message)
 
     await SSEResponse(events(), {"x-ferry-worker": "w1"})({}, receive, send)
@@ -52,11 +54,11 @@ async def test_disconnect_closes_the_event_iterator() -> None:
         finally:
             closed.set()
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         await disconnect.wait()
         return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         if message.get("body") == event(b"first"):
             disconnect.set()
 
@@ -75,11 +77,11 @@ async def test_events_after_a_disconnect_are_not_sent() -> None:
                 await asyncio.sleep(0)  # let the disconnect be seen
             yield event(str(i).encode())
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         await gone.wait()
         return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         sent.append(message.get("body", b""))
         await asyncio.sleep(0)
 
