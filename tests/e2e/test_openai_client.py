@@ -9,9 +9,9 @@ from typing import TypeVar
 
 import httpx
 import openai
-from openai.types.chat import ChatCompletionMessageParam
 import pytest
 import pytest_asyncio
+from openai.types.chat import ChatCompletionMessageParam
 
 from server.services import Child
 
