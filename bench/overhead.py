@@ -11,6 +11,10 @@ far (`--speedup 1e6`) that engine time is ~0, then measures, through one fronten
 - whether tokenizing huge prompts stalls other streams: the same concurrency-16 streaming load twice, once
   alone and once while another client keeps sending ~100k-character prompts to /v1/completions.
 
+Each phase runs on a fresh `ferry up` (`--reuse-stack` shares one): Tansu's per-record cost grows with the
+length of a partition, so a shared broker would make later phases pay for the records of earlier ones. The
+CPU of every stack process, of this client and of the rest of the machine is recorded per phase.
+
 It prints a table, writes JSON (with the machine, Python version and git commit) and draws a PNG plot when
 matplotlib is installed (an optional benchmark dependency: `pip install matplotlib`). `--profile DIR`
 also samples the frontend and workers with py-spy during the busiest level (this perturbs the numbers).
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -42,6 +47,7 @@ import numpy as np
 
 from bench.sse_client import Connection, Response, StreamStats, stream_stats
 from bench.stack import CpuUsage, FerryStack
+from schemas.names import reply_topic
 
 TARGET_TTFT_P50_MS = 5.0  # added time to first token at concurrency 1 (issue 2, item 8)
 TARGET_TOKENS_PER_S = 5000.0  # streamed tokens/s through one frontend at concurrency 64
@@ -428,6 +434,16 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+async def busy_percent(seconds: float) -> float:
+    """CPU in use on the whole machine over `seconds` (percent of one core), this process excluded."""
+    from bench.stack import machine_busy_seconds
+
+    m0, p0, t0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
+    await asyncio.sleep(seconds)
+    wall = time.perf_counter() - t0
+    return round(100.0 * ((machine_busy_seconds() - m0) - (time.process_time() - p0)) / wall, 1)
+
+
 def _f(x: float | None, width: int = 8, digits: int = 2) -> str:
     return (
         f"{'-':>{width}}"
@@ -456,8 +472,8 @@ def print_table(results: dict[str, Any]) -> None:
     )
     print()
     head = (
-        f"{'phase':<22}{'conc':>5}{'ok':>6}{'fail':>5}{'TTFB50':>8}{'TTFT50':>8}{'TTFT90':>8}{'TTFT99':>8}"
-        f"{'ITL50':>8}{'ITL99':>8}{'tok/s':>9}{'tok/ev':>7}"
+        f"{'phase':<22}{'conc':>5}{'ok':>6}{'fail':>5}{'TTFB50':>8}{'TTFT50':>8}{'TTFT90':>8}{'TTFT99':>8}{'feTTFT':>8}"
+        f"{'ITL50':>8}{'ITL99':>8}{'ITLn':>7}{'tok/s':>9}{'tok/ev':>7}"
         f"{'cpu% fe':>8}{'wk':>5}{'kafka':>6}{'client':>7}{'other':>6}"
     )
     print(head)
@@ -469,13 +485,15 @@ def print_table(results: dict[str, Any]) -> None:
         print(
             f"{p['name']:<22}{p['concurrency']:>5}{p['ok']:>6}{p['failed']:>5}"
             f"{_f(p['ttfb_ms']['p50'])}{_f(p['ttft_ms']['p50'])}{_f(p['ttft_ms']['p90'])}{_f(p['ttft_ms']['p99'])}"
-            f"{_f(p['itl_ms']['p50'])}{_f(p['itl_ms']['p99'])}{_f(p['tokens_per_s'], 9, 0)}"
+            f"{_f((p.get('frontend_metrics_mean_ms') or {}).get('ttft'))}"
+            f"{_f(p['itl_ms']['p50'])}{_f(p['itl_ms']['p99'])}{p['itl_samples']:>7}{_f(p['tokens_per_s'], 9, 0)}"
             f"{_f(p['tokens_per_content_event'], 7, 1)}"
             f"{_f(procs.get('frontend'), 8, 0)}{_f(wk, 5, 0)}{_f(procs.get('kafka'), 6, 0)}"
             f"{_f(cpu.get('bench_client'), 7, 0)}{_f(cpu.get('other_processes'), 6, 0)}"
         )
     print(
-        "(times in ms; TTFB = first SSE event (role chunk); ITL = gap between SSE events carrying text, pooled;"
+        "(times in ms; TTFB = first SSE event (role chunk); feTTFT = the frontend's own mean TTFT (request in ->"
+        " first token chunk from Kafka); ITL = gap between SSE events carrying text, pooled;"
     )
     print(
         " tok/ev = tokens per text event; cpu% = percent of one core, 'other' = processes outside this benchmark)"
@@ -496,10 +514,19 @@ def print_table(results: dict[str, Any]) -> None:
         verdict = "MET" if t["met"] else "MISSED"
         print(f"target {t['name']}: {t['value']} {t['unit']} (want {t['op']} {t['target']}) -> {verdict}")
     r = results["ratios_vs_kafka_floor"]
+
+    def x(v: float | None) -> str:
+        return "n/a" if v is None else f"{v}x"
+
     print(
-        f"vs Kafka floor p50: TTFT p50 at c=1 is {r['ttft_p50_c1']}x one hop (a request makes two hops), "
-        f"ITL p50 at c=1 is {r['itl_p50_c1']}x"
+        f"vs Kafka floor p50 (back to back): TTFT p50 at c=1 is {x(r['ttft_p50_c1'])} one hop (a request makes "
+        f"two hops), ITL p50 at c=1 is {x(r['itl_p50_c1'])}"
     )
+    busy = m.get("busy_before_start_percent")
+    if busy is not None and busy > 20:
+        print(
+            f"WARNING: the machine was busy before the run ({busy:.0f}% of one core in use by other processes)"
+        )
 
 
 def plot(results: dict[str, Any], path: Path) -> bool:
@@ -586,14 +613,52 @@ def plot(results: dict[str, Any], path: Path) -> bool:
 async def measure(
     stack: FerryStack, name: str, concurrency: int, args: argparse.Namespace, model: str, seconds: float
 ) -> PhaseResult:
-    """One streaming phase with CPU accounting."""
+    """One streaming phase with CPU accounting and the frontend's own timings over the same span."""
+    metrics_before = await scrape_metrics(stack)
     before = stack.snapshot()
     stats, wall = await run_streams(
         stack.host, stack.port, concurrency, args.requests_per_level, seconds,
-        lambda i: chat_body(model, args.max_tokens, i),
+        functools.partial(chat_body, model, args.max_tokens),
     )  # fmt: skip
     cpu = stack.usage(before, stack.snapshot())
-    return PhaseResult(name, concurrency, stats, wall, cpu)
+    server = server_means(metrics_before, await scrape_metrics(stack))
+    return PhaseResult(name, concurrency, stats, wall, cpu, {"frontend_metrics_mean_ms": server})
+
+
+# Histograms of the frontend whose mean over a phase is reported next to the client's view.
+_SERVER_HISTOGRAMS = {
+    "ttft": "ferry_time_to_first_token_seconds",
+    "kafka_produce": "ferry_kafka_produce_seconds",
+    "tokenize": "ferry_tokenize_seconds",
+}
+
+
+async def scrape_metrics(stack: FerryStack) -> dict[str, float]:
+    """`_sum` and `_count` samples of the frontend's Prometheus metrics (empty if unavailable)."""
+    conn = Connection(stack.host, stack.port)
+    try:
+        resp = await conn.request("GET", "/metrics", timeout_s=10)
+    except (OSError, TimeoutError):
+        return {}
+    finally:
+        conn.close()
+    out: dict[str, float] = {}
+    for line in resp.body.decode(errors="replace").splitlines():
+        name, _, value = line.partition(" ")
+        if name.endswith(("_sum", "_count")) and "{" not in name:
+            with contextlib.suppress(ValueError):
+                out[name] = float(value)
+    return out
+
+
+def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean of each frontend histogram over the samples taken between two scrapes, in ms."""
+    means: dict[str, float | None] = {}
+    for key, metric in _SERVER_HISTOGRAMS.items():
+        n = after.get(f"{metric}_count", 0.0) - before.get(f"{metric}_count", 0.0)
+        total = after.get(f"{metric}_sum", 0.0) - before.get(f"{metric}_sum", 0.0)
+        means[key] = round(1000.0 * total / n, 3) if n > 0 else None
+    return means
 
 
 async def served_model(stack: FerryStack) -> tuple[str, str | None]:
@@ -620,77 +685,151 @@ def tokenize_ms(model_dir: str | None, text: str) -> float:
     return (time.perf_counter() - t) * 1000.0
 
 
+@dataclass(frozen=True)
+class Phase:
+    """One measured phase of the run."""
+
+    name: str
+    concurrency: int
+    seconds: float
+    long_prompts: bool = False  # a second client keeps sending huge prompts meanwhile
+    profile_tag: str | None = None  # sample the stack with py-spy under this tag (--profile only)
+
+
+def plan(args: argparse.Namespace) -> tuple[list[Phase], list[Phase]]:
+    """The concurrency levels, then the tokenization-interference pair."""
+    top = max(args.concurrency)
+    levels = [
+        Phase(f"streams c={c}", c, args.level_seconds, profile_tag=f"c{c}" if c == top else None)
+        for c in args.concurrency
+    ]
+    pair: list[Phase] = []
+    if args.interference_seconds > 0:
+        c = INTERFERENCE_CONCURRENCY
+        pair = [
+            Phase(f"c={c} alone", c, args.interference_seconds),
+            Phase(
+                f"c={c} + long prompts",
+                c,
+                args.interference_seconds,
+                long_prompts=True,
+                profile_tag="tokenize",
+            ),
+        ]
+    return levels, pair
+
+
+async def topic_records(bootstrap: str, topic: str) -> int | None:
+    """How many records partition 0 of `topic` holds (its end offset)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    try:
+        await consumer.start()
+        tp = TopicPartition(topic, 0)
+        return int((await consumer.end_offsets([tp]))[tp])
+    except Exception:
+        return None
+    finally:
+        await consumer.stop()
+
+
+async def run_phase(
+    args: argparse.Namespace, phase: Phase, stack: FerryStack, model: str, model_dir: str | None
+) -> tuple[PhaseResult, dict[str, Any]]:
+    """Measure one phase on a running stack; returns its result and any py-spy profiles."""
+    print(f"{phase.name} ({phase.seconds:g} s) ...", file=sys.stderr)
+    profiles: dict[str, Any] = {}
+    stop = asyncio.Event()
+    load = None
+    prompts: list[str] = []
+    if phase.long_prompts:
+        prompts = long_prompts(args.long_prompt_chars, 4)
+        load = asyncio.ensure_future(
+            long_prompt_load(stack.host, stack.port, model, prompts, args.long_prompt_clients, stop)
+        )
+        await asyncio.sleep(0.2)
+    spy = None
+    if args.profile and phase.profile_tag:
+        spy = asyncio.ensure_future(
+            py_spy_record(stack.pids, phase.seconds * 0.8, args.profile, phase.profile_tag)
+        )
+    try:
+        result = await measure(stack, phase.name, phase.concurrency, args, model, phase.seconds)
+    finally:
+        stop.set()
+        lp = await load if load is not None else []
+    if spy is not None:
+        for path in await spy:
+            profiles[path.name] = {"file": str(path), **hotspots(path)}
+    result.extra["reply_topic_records_after"] = await topic_records(stack.kafka, reply_topic("frontend-0"))
+    if phase.long_prompts:
+        lat = [t for _, t in lp]
+        result.extra["long_prompts"] = {
+            "chars": args.long_prompt_chars,
+            "clients": args.long_prompt_clients,
+            "endpoint": "/v1/completions (max_tokens 1)",
+            "requests": len(lp),
+            "requests_per_s": round(len(lp) / result.wall_s, 2) if result.wall_s else 0.0,
+            "statuses": dict(Counter(str(s) for s, _ in lp)),
+            "latency_ms": {"p50": ms(pct(lat, 50)), "p99": ms(pct(lat, 99))},
+            "tokenize_ms_in_process": round(tokenize_ms(model_dir, prompts[0]), 2),
+        }
+    return result, profiles
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Start the stack, measure every phase, stop the stack; returns the results document."""
+    """Measure every phase, each on a fresh `ferry up` unless --reuse-stack; returns the results document."""
     from workers.sim_timing import decode_ms, prefill_ms
 
     machine = machine_info()
-    print(f"starting ferry up (workers={args.workers}, speedup={args.speedup:g}) ...", file=sys.stderr)
-    stack = await FerryStack.start(args.workers, args.speedup)
+    machine["busy_before_start_percent"] = await busy_percent(1.0)
+    level_phases, pair_phases = plan(args)
+    results: list[PhaseResult] = []
     profiles: dict[str, Any] = {}
+    floor: dict[str, Any] = {}
+    stack: FerryStack | None = None
+    model, model_dir = "", None
     try:
-        print(f"ready at {stack.url}; kafka {stack.kafka}; processes {stack.pids}", file=sys.stderr)
-        model, model_dir = await served_model(stack)
-        # Warm up connections, topics and code paths; not measured.
-        await run_streams(stack.host, stack.port, 4, 40, 5.0, lambda i: chat_body(model, args.max_tokens, i))
-        print("kafka floor ...", file=sys.stderr)
-        floor = await kafka_floor(stack.kafka, args.floor_round_trips, args.floor_fetch_wait_ms)
-        levels: list[PhaseResult] = []
-        top = max(args.concurrency)
-        for c in args.concurrency:
-            print(f"concurrency {c} ...", file=sys.stderr)
-            spy = None
-            if args.profile and c == top:
-                spy = asyncio.ensure_future(
-                    py_spy_record(stack.pids, args.level_seconds * 0.8, args.profile, f"c{c}")
+        for phase in [*level_phases, *pair_phases]:
+            if stack is None or not args.reuse_stack:
+                if stack is not None:
+                    await stack.stop()
+                    stack = None
+                t0 = time.perf_counter()
+                stack = await FerryStack.start(args.workers, args.speedup)
+                print(
+                    f"ferry up ready in {time.perf_counter() - t0:.1f} s at {stack.url}; kafka {stack.kafka}; "
+                    f"processes {stack.pids}",
+                    file=sys.stderr,
                 )
-            levels.append(await measure(stack, f"streams c={c}", c, args, model, args.level_seconds))
-            if spy is not None:
-                for path in await spy:
-                    profiles[path.name] = {"file": str(path), **hotspots(path)}
-        interference: dict[str, Any] | None = None
-        if args.interference_seconds > 0:
-            c = INTERFERENCE_CONCURRENCY
-            print(f"tokenization interference at concurrency {c} ...", file=sys.stderr)
-            quiet = await measure(stack, f"c={c} alone", c, args, model, args.interference_seconds)
-            prompts = long_prompts(args.long_prompt_chars, 4)
-            stop = asyncio.Event()
-            load = asyncio.ensure_future(
-                long_prompt_load(stack.host, stack.port, model, prompts, args.long_prompt_clients, stop)
-            )
-            await asyncio.sleep(0.2)
-            spy = None
-            if args.profile:
-                spy = asyncio.ensure_future(
-                    py_spy_record(stack.pids, args.interference_seconds * 0.8, args.profile, "tokenize")
+                model, model_dir = await served_model(stack)
+                if not floor:  # on a fresh broker, before any load
+                    print("kafka floor ...", file=sys.stderr)
+                    floor = await kafka_floor(stack.kafka, args.floor_round_trips, args.floor_fetch_wait_ms)
+                # Connections, topics, code paths: warm, not measured.
+                await run_streams(
+                    stack.host, stack.port, 4, 40, 3.0, functools.partial(chat_body, model, args.max_tokens)
                 )
-            loaded = await measure(stack, f"c={c} + long prompts", c, args, model, args.interference_seconds)
-            stop.set()
-            lp = await load
-            if spy is not None:
-                for path in await spy:
-                    profiles[path.name] = {"file": str(path), **hotspots(path)}
-            lat = [t for _, t in lp]
-            interference = {
-                "concurrency": c,
-                "phases": [quiet.summary(args.max_tokens), loaded.summary(args.max_tokens)],
-                "itl_p99_ms_quiet": ms(quiet.itl(99)),
-                "itl_p99_ms_loaded": ms(loaded.itl(99)),
-                "long_prompts": {
-                    "chars": args.long_prompt_chars,
-                    "clients": args.long_prompt_clients,
-                    "endpoint": "/v1/completions (max_tokens 1)",
-                    "requests": len(lp),
-                    "requests_per_s": len(lp) / loaded.wall_s if loaded.wall_s else 0.0,
-                    "statuses": dict(Counter(str(s) for s, _ in lp)),
-                    "latency_ms": {"p50": ms(pct(lat, 50)), "p99": ms(pct(lat, 99))},
-                    "tokenize_ms_in_process": round(tokenize_ms(model_dir, prompts[0]), 2),
-                },
-            }
+            result, prof = await run_phase(args, phase, stack, model, model_dir)
+            results.append(result)
+            profiles.update(prof)
     finally:
-        print("stopping ferry up ...", file=sys.stderr)
-        await stack.stop()
+        if stack is not None:
+            print("stopping ferry up ...", file=sys.stderr)
+            await stack.stop()
 
+    levels = results[: len(level_phases)]
+    interference: dict[str, Any] | None = None
+    if pair_phases:
+        quiet, loaded = results[len(level_phases) :]
+        interference = {
+            "concurrency": INTERFERENCE_CONCURRENCY,
+            "phases": [quiet.summary(args.max_tokens), loaded.summary(args.max_tokens)],
+            "itl_p99_ms_quiet": ms(quiet.itl(99)),
+            "itl_p99_ms_loaded": ms(loaded.itl(99)),
+            "long_prompts": loaded.extra["long_prompts"],
+        }
     summaries = [p.summary(args.max_tokens) for p in levels]
     by_c = {p["concurrency"]: p for p in summaries}
     targets = []
@@ -722,6 +861,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "requests_per_level": args.requests_per_level,
             "level_seconds": args.level_seconds,
             "interference_seconds": args.interference_seconds,
+            "fresh_stack_per_phase": not args.reuse_stack,
             "simulated_engine_ms_per_request": engine_ms,
             "client": "bench.sse_client (asyncio.Protocol on uvloop, one keep-alive connection per stream)",
         },
@@ -759,6 +899,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds of each tokenization-interference phase; 0 skips it (default 15)")  # fmt: skip
     p.add_argument("--long-prompt-chars", type=int, default=100_000, help="size of the long prompts")
     p.add_argument("--long-prompt-clients", type=int, default=1, help="clients sending long prompts")
+    p.add_argument("--reuse-stack", action="store_true",
+                   help="run every phase on one `ferry up` instead of a fresh one per phase")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench/results/overhead.json"), help="JSON results file")
     p.add_argument(
         "--plot", type=Path, default=Path("bench/results/overhead.png"), help="PNG plot ('' = none)"

@@ -138,11 +138,16 @@ class FerryStack:
         try:
             ready = await child.wait_for_line(lambda s: s.startswith("ferry-ready "), timeout_s)
             kafka = (await kafka_line).split()[1]
-        except BaseException:
+        except BaseException as exc:
             kafka_line.cancel()
             stack = cls(child, "", "127.0.0.1", port, "")
             stack.pids = stack._discover()
             await stack.stop()
+            if isinstance(exc, Exception):
+                tail = "\n".join(child.tail[-25:])
+                raise RuntimeError(
+                    f"ferry up did not become ready ({exc}); its last output:\n{tail}"
+                ) from exc
             raise
         url = ready.split()[1]
         stack = cls(child, url, "127.0.0.1", port, kafka)

@@ -54,6 +54,13 @@ class CommonSettings:
         default=1.0, metadata=_help("seconds between worker heartbeats; a worker is dead after 3 missed")
     )
     log_level: str = dataclasses.field(default="info", metadata=_help("debug, info, warning, error"))
+    kafka_fetch_wait_ms: int = dataclasses.field(
+        default=5,
+        metadata=_help(
+            "longest a consumer's fetch waits for data; keep small with brokers that do not answer a "
+            "waiting fetch as soon as data arrives"
+        ),
+    )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -240,3 +247,34 @@ class StackSettings:
     ready_timeout_s: float = dataclasses.field(
         default=120.0, metadata=_help("give up if the stack is not ready within this many seconds")
     )
+
+
+def markdown_tables() -> str:
+    """The settings tables of docs/architecture.md, generated so the page cannot drift from the code."""
+    common = {f.name for f in dataclasses.fields(CommonSettings)}
+    sections: list[tuple[str, type[Any], set[str]]] = [
+        ("Shared by frontends and workers", CommonSettings, set()),
+        ("Frontend only (`ferry frontend`)", FrontendSettings, common),
+        ("Worker only (`ferry worker`)", WorkerSettings, common),
+        ("`ferry up`", StackSettings, set()),
+    ]
+    out: list[str] = []
+    for title, cls, skip in sections:
+        out += [f"### {title}", "", "| flag | variable | default | meaning |", "| --- | --- | --- | --- |"]
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            if f.name == "model_path":
+                default = "`$FERRY_HOME/models/SmolLM2-135M-Instruct`"
+            elif f.default is dataclasses.MISSING:
+                default = "(generated)"
+            else:
+                default = f"`{f.default}`"
+            flag = f"`--{f.name.replace('_', '-')}`"
+            out.append(f"| {flag} | `{ENV_PREFIX}{f.name.upper()}` | {default} | {f.metadata.get('help', '')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(markdown_tables())

@@ -89,7 +89,7 @@ class Frontend:
         index = KVIndex(redis, keys)
         board = LoadBoard(redis, keys)
         self.router = router = Router(self.router_config, self.metrics, index)
-        demux = ReplyDemux(s.kafka, reply_topic(s.frontend_id))
+        demux = ReplyDemux(s.kafka, reply_topic(s.frontend_id), s.kafka_fetch_wait_ms)
 
         def fail_worker(worker_id: str) -> None:
             failed = demux.fail_worker(
@@ -274,9 +274,8 @@ async def chat_completions(fe: Frontend, request: Request) -> Response:
     fe.admit()
     req: ChatCompletionRequest = _decode(chat_request_decoder, await fe.body(request))
     max_len = fe.max_model_len(req.model)
-    t0 = time.perf_counter()
-    prepared = await fe.pre.chat(req, max_len)
-    fe.metrics.tokenize_seconds.observe(time.perf_counter() - t0)
+    with fe.metrics.tokenize_seconds.time():
+        prepared = await fe.pre.chat(req, max_len)
     if fe.settings.log_prompts:
         log.info("chat prompt: %r", prepared.prompt_texts[0])
     gen = await _start(fe, req.model, prepared, "chatcmpl")
@@ -295,9 +294,8 @@ async def completions(fe: Frontend, request: Request) -> Response:
     fe.admit()
     req: CompletionRequest = _decode(completion_request_decoder, await fe.body(request))
     max_len = fe.max_model_len(req.model)
-    t0 = time.perf_counter()
-    prepared = await fe.pre.completion(req, max_len)
-    fe.metrics.tokenize_seconds.observe(time.perf_counter() - t0)
+    with fe.metrics.tokenize_seconds.time():
+        prepared = await fe.pre.completion(req, max_len)
     gen = await _start(fe, req.model, prepared, "cmpl")
     if prepared.stream:
         return SSEResponse(completion_stream(gen, fe.fmt, req.echo), _headers(gen))  # type: ignore[return-value]

@@ -33,8 +33,12 @@ class Dispatcher:
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(self._timeout_s):
+                # Partition 0 is the only one a worker reads.
                 await self._producer.send_and_wait(
-                    request_topic(worker_id), request_encoder.encode(request), key=request.request_id.encode()
+                    request_topic(worker_id),
+                    request_encoder.encode(request),
+                    key=request.request_id.encode(),
+                    partition=0,
                 )
         except (KafkaError, TimeoutError) as exc:
             self._metrics.kafka_errors.inc()
@@ -54,7 +58,10 @@ class Dispatcher:
         """Ask a worker to abort a request; best effort (the worker also drops late requests)."""
         try:
             await self._producer.send(
-                request_topic(worker_id), request_encoder.encode(Cancel(request_id)), key=request_id.encode()
+                request_topic(worker_id),
+                request_encoder.encode(Cancel(request_id)),
+                key=request_id.encode(),
+                partition=0,
             )
         except KafkaError as exc:
             log.warning("could not send cancel for %s: %r", request_id, exc)
@@ -63,8 +70,9 @@ class Dispatcher:
 class ReplyDemux:
     """Reads this frontend's replies topic and hands each chunk to the waiting client stream."""
 
-    def __init__(self, bootstrap: str, topic: str) -> None:
+    def __init__(self, bootstrap: str, topic: str, fetch_wait_ms: int = 100) -> None:
         self.topic = topic
+        self._fetch_wait_ms = fetch_wait_ms
         self._bootstrap = bootstrap
         self._by_request: dict[str, ClientStream] = {}
         self._consumer: AIOKafkaConsumer | None = None
@@ -82,7 +90,7 @@ class ReplyDemux:
         finally:
             await admin.close()
         self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=self._bootstrap, enable_auto_commit=False, fetch_max_wait_ms=100
+            bootstrap_servers=self._bootstrap, enable_auto_commit=False, fetch_max_wait_ms=self._fetch_wait_ms
         )
         await self._consumer.start()
         tp = TopicPartition(self.topic, 0)

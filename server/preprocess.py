@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,10 +120,13 @@ class Preprocessor:
     def __init__(self, model: ModelFiles, threshold_chars: int) -> None:
         self.model = model
         self._threshold = threshold_chars
+        # One thread: long prompts may use at most one of the cores the event loop also needs.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) > self._threshold:
-            return await asyncio.to_thread(self.model.encode, text, add_special_tokens)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._pool, self.model.encode_releasing_gil, text, add_special_tokens)
         return self.model.encode(text, add_special_tokens)
 
     async def chat(self, req: ChatCompletionRequest, max_model_len: int) -> Prepared:
@@ -130,7 +134,8 @@ class Preprocessor:
         messages = chat_messages(req)
         size = sum(len(m["content"]) for m in messages)
         if size > self._threshold:
-            text = await asyncio.to_thread(self.model.render_chat, messages, req.add_generation_prompt)
+            loop = asyncio.get_running_loop()
+            text = await loop.run_in_executor(self._pool, self.model.render_chat, messages, req.add_generation_prompt)
         else:
             text = self.model.render_chat(messages, req.add_generation_prompt)
         # The template already wrote the special tokens.

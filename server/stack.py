@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import signal
 import sys
 
@@ -38,7 +39,8 @@ def _frontend_argv(s: StackSettings, kafka: str, redis: str, port: int) -> list[
         sys.executable, "-m", "server", "frontend",
         "--host", s.host,
         "--port", str(port),
-        "--frontend-id", "frontend-0",
+        # A fresh replies topic per run: Tansu keeps every record and slows as a topic grows.
+        "--frontend-id", f"frontend-{secrets.token_hex(3)}",
         "--kafka", kafka,
         "--redis", redis,
         "--redis-prefix", s.redis_prefix,
@@ -53,6 +55,39 @@ def _frontend_argv(s: StackSettings, kafka: str, redis: str, port: int) -> list[
     ]
 
 
+async def _start(s: StackSettings, services: list[Child], workers: list[Child], fronts: list[Child]) -> str:
+    """Start services, workers and the frontend (recording each child as it starts); return the URL."""
+    kafka, redis = s.kafka, s.redis
+    if not kafka:
+        child, kafka = await start_broker()
+        services.append(child)
+        log.info("embedded Kafka broker (Tansu) on %s", kafka)
+    if not redis:
+        child, redis = await start_redis()
+        services.append(child)
+        log.info("embedded Redis on %s", redis)
+    for i in range(s.workers):
+        workers.append(await Child.spawn(f"worker-{i}", _worker_argv(s, kafka, redis, i)))
+    await asyncio.gather(
+        *(w.wait_for_line(lambda line: line.startswith("ferry-worker-ready"), s.ready_timeout_s) for w in workers)
+    )
+    port = s.port or free_port(s.host)
+    fronts.append(await Child.spawn("frontend", _frontend_argv(s, kafka, redis, port)))
+    await fronts[0].wait_for_line(lambda line: line.startswith("ferry-frontend-ready"), s.ready_timeout_s)
+    url = f"http://{s.host}:{port}"
+    print(
+        f"\nFerry is up: {url}  (model {s.served_model_name}, {s.workers} {s.engine} worker(s))\n"
+        f"Kafka {kafka}  Redis {redis}  metrics {url}/metrics\n\n"
+        f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f"    -d '{{\"model\": \"{s.served_model_name}\", \"stream\": true, "
+        f"\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n\n"
+        f"Press Ctrl-C to stop.\n"
+        f"ferry-ready {url}",
+        flush=True,
+    )
+    return url
+
+
 async def run_stack(s: StackSettings) -> int:
     """Start everything, print how to use it, and stop everything on SIGINT/SIGTERM or a crash."""
     stop = asyncio.Event()
@@ -61,54 +96,35 @@ async def run_stack(s: StackSettings) -> int:
         loop.add_signal_handler(sig, stop.set)
     services: list[Child] = []
     workers: list[Child] = []
-    frontend: Child | None = None
+    fronts: list[Child] = []
+    stopping = asyncio.create_task(stop.wait())
+    starting = asyncio.create_task(_start(s, services, workers, fronts))
     code = 0
     try:
-        kafka, redis = s.kafka, s.redis
-        if not kafka:
-            child, kafka = await start_broker()
-            services.append(child)
-            log.info("embedded Kafka broker (Tansu) on %s", kafka)
-        if not redis:
-            child, redis = await start_redis()
-            services.append(child)
-            log.info("embedded Redis on %s", redis)
-        for i in range(s.workers):
-            workers.append(await Child.spawn(f"worker-{i}", _worker_argv(s, kafka, redis, i)))
-        await asyncio.gather(
-            *(w.wait_for_line(lambda line: " ready: " in line, s.ready_timeout_s) for w in workers)
-        )
-        port = s.port or free_port(s.host)
-        frontend = await Child.spawn("frontend", _frontend_argv(s, kafka, redis, port))
-        # uvicorn logs this once its socket is bound (its startup-complete line comes before that).
-        await frontend.wait_for_line(lambda line: "Uvicorn running on" in line, s.ready_timeout_s)
-        url = f"http://{s.host}:{port}"
-        print(
-            f"\nFerry is up: {url}  (model {s.served_model_name}, {s.workers} {s.engine} worker(s))\n"
-            f"Kafka {kafka}  Redis {redis}  metrics {url}/metrics\n\n"
-            f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-            f"    -d '{{\"model\": \"{s.served_model_name}\", \"stream\": true, "
-            f"\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n\n"
-            f"Press Ctrl-C to stop.\n"
-            f"ferry-ready {url}",
-            flush=True,
-        )
-        exits = [asyncio.create_task(c.proc.wait()) for c in (frontend, *workers)]
-        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            log.info("interrupted while starting; stopping what was started")
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            return 130
+        starting.result()
+        children = [*fronts, *workers]
+        exits = [asyncio.create_task(c.proc.wait()) for c in children]
         done, _ = await asyncio.wait([stopping, *exits], return_when=asyncio.FIRST_COMPLETED)
         if stopping not in done:
-            crashed = [c.name for c in (frontend, *workers) if c.proc.returncode is not None]
+            crashed = [c.name for c in children if c.proc.returncode is not None]
             log.error("%s exited unexpectedly; stopping the stack", ", ".join(crashed))
             code = 1
-        for t in (stopping, *exits):
+        for t in exits:
             t.cancel()
     except (TimeoutError, RuntimeError) as exc:
         log.error("the stack did not come up: %s", exc)
         code = 1
     finally:
+        stopping.cancel()
         # Frontend first (no new requests), then workers (drain), then the services they use.
-        if frontend is not None:
-            await frontend.stop()
+        for front in fronts:
+            await front.stop()
         await asyncio.gather(*(w.stop() for w in workers))
         for child in reversed(services):
             with contextlib.suppress(Exception):

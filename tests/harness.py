@@ -15,24 +15,10 @@ import uvicorn
 
 from schemas.settings import FrontendSettings, WorkerSettings
 from server.app import Frontend, create_app
+from server.frontend_main import ReadyServer
 from server.services import free_port
 from workers.main import build_engine
 from workers.worker import Worker
-
-
-class _Server(uvicorn.Server):
-    """uvicorn with an awaitable 'socket is bound' event."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.bound = asyncio.Event()
-
-    async def startup(self, sockets: Any = None) -> None:
-        await super().startup(sockets)
-        self.bound.set()
-
-    def install_signal_handlers(self) -> None:  # the test process owns its signals
-        pass
 
 
 @dataclasses.dataclass
@@ -57,7 +43,7 @@ class Harness:
             kafka=kafka, redis=redis, redis_prefix=prefix, model_path=str(model_path), heartbeat_interval_s=0.5
         )
         self.workers: list[RunningWorker] = []
-        self._servers: list[tuple[_Server, asyncio.Task[None]]] = []
+        self._servers: list[tuple[ReadyServer, asyncio.Task[None]]] = []
         self.frontends: list[Frontend] = []
 
     async def add_worker(self, **overrides: Any) -> RunningWorker:
@@ -87,7 +73,7 @@ class Harness:
             **{**self.common, "frontend_id": f"fe-{uuid.uuid4().hex[:6]}", "port": port, **overrides}
         )
         app = create_app(settings)
-        server = _Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+        server = ReadyServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
         task = asyncio.create_task(server.serve())
         bound = asyncio.create_task(server.bound.wait())
         await asyncio.wait([bound, task], timeout=30, return_when=asyncio.FIRST_COMPLETED)

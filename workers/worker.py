@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import sys
 import time
 from collections.abc import Awaitable
 
@@ -35,6 +36,7 @@ from workers.metrics import WorkerMetrics
 log = logging.getLogger("ferry.worker")
 
 HEARTBEAT_MISSES = 3
+READY_MARK = "ferry-worker-ready"
 
 
 async def ensure_topic(bootstrap: str, topic: str, partitions: int = 1) -> None:
@@ -91,7 +93,7 @@ class Worker:
             group_id=f"ferry-worker-{s.worker_id}",
             enable_auto_commit=False,
             auto_offset_reset="earliest",
-            fetch_max_wait_ms=100,
+            fetch_max_wait_ms=s.kafka_fetch_wait_ms,
         )
         await self._producer.start()
         await consumer.start()
@@ -103,6 +105,8 @@ class Worker:
             # Register only once the inbox is positioned, so nothing routed to us can be missed.
             await self._heartbeat_once()
             self.ready.set()
+            # A line for launchers to wait on, printed whatever the log level.
+            print(f"{READY_MARK} {s.worker_id}", file=sys.stderr, flush=True)
             log.info(
                 "worker %s ready: engine=%s model=%s topic=%s metrics=%s",
                 s.worker_id, self.engine_name, s.served_model_name, self.topic, self._metrics_url,
@@ -347,7 +351,8 @@ class Worker:
             topic, key, value = await self._outbox.get()
             try:
                 # Returns once the record is in the producer's batch; delivery is reported later.
-                delivery = await self._producer.send(topic, value, key=key)
+                # Partition 0 is the only one a frontend reads (and spares hashing the key per chunk).
+                delivery = await self._producer.send(topic, value, key=key, partition=0)
                 delivery.add_done_callback(self._on_delivery)
             except KafkaError as exc:
                 self._on_send_error(exc)

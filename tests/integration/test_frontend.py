@@ -145,7 +145,7 @@ async def test_worker_killed_mid_stream_ends_with_error_event(
         echo=False,
     )
     try:
-        await child.wait_for_line(lambda line: " ready: " in line, 60)
+        await child.wait_for_line(lambda line: line.startswith("ferry-worker-ready"), 60)
         _fe, url = await h.add_frontend()
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
             async with c.stream(

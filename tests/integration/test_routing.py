@@ -90,7 +90,7 @@ async def test_dead_worker_leaves_the_index(
         echo=False,
     )
     try:
-        await child.wait_for_line(lambda line: " ready: " in line, 60)
+        await child.wait_for_line(lambda line: line.startswith("ferry-worker-ready"), 60)
         fe, url = await h.add_frontend()
         prompt = _prompt(3, 640)
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
