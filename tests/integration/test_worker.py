@@ -158,16 +158,17 @@ async def test_expired_request_is_skipped_and_redelivery_is_ignored(env: tuple[H
 
 async def test_drain_finishes_in_flight_then_leaves_registry(env: tuple[Harness, Client], redis_url: str, prefix: str) -> None:
     h, client = env
-    w = await h.add_worker(speedup=5.0)
+    w = await h.add_worker(speedup=1.0)  # real-time steps: ~60 tokens take a few hundred ms
     wid = w.worker.settings.worker_id
-    req = client.request(list(range(64)), max_tokens=40, sampling=SamplingParams(ignore_eos=True))
+    req = client.request(list(range(64)), max_tokens=60, sampling=SamplingParams(ignore_eos=True))
     await client.send(wid, req)
     early = await client.first_tokens(req.request_id)
+    assert early[-1].finish_reason is None  # still running when the drain starts
     code = await w.stop()
     assert code == 0
     chunks = early + (await client.until_finished({req.request_id}))[req.request_id]
     assert chunks[-1].finish_reason == "length"
-    assert sum(len(c.token_ids) for c in chunks) == 40
+    assert sum(len(c.token_ids) for c in chunks) == 60
     redis = aioredis.from_url(redis_url)
     live, _ = await Registry(redis, RedisKeys(prefix)).snapshot()
     assert wid not in {x.worker_id for x in live}
