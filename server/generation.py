@@ -54,6 +54,7 @@ class Generation:
         self.created = int(time.time())
         self.started_at = time.perf_counter()
         self.first_token_at: float | None = None
+        self._last_token_at = 0.0
         self.predicted_cached_blocks = 0
         self._submitted: list[Sequence] = []
         self._closed = False
@@ -136,9 +137,15 @@ class Generation:
             now = time.monotonic()
             if batch:
                 idle_since = now
-                if self.first_token_at is None and any(c.token_ids or c.text for _, c in batch):
-                    self.first_token_at = time.perf_counter()
-                    self.svc.metrics.ttft.observe(self.first_token_at - self.started_at)
+                if any(c.token_ids or c.text for _, c in batch):
+                    t = time.perf_counter()
+                    if self.first_token_at is None:
+                        self.first_token_at = t
+                        self.svc.metrics.ttft.observe(t - self.started_at)
+                    else:
+                        # Gap between deliveries of new tokens to this request (merged deltas count once).
+                        self.svc.metrics.itl.observe(t - self._last_token_at)
+                    self._last_token_at = t
                 for seq, chunk in batch:
                     if chunk.token_ids and not seq.decision.prefilled:
                         self.svc.router.prefilled(seq.decision)

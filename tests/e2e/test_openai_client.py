@@ -118,6 +118,8 @@ async def test_metrics_and_ready(stack: str) -> None:
         assert (await http.get(f"{stack}/ready")).json()["ready"] is True
         text = (await http.get(f"{stack}/metrics")).text
     assert "ferry_time_to_first_token_seconds_bucket" in text
+    itl = next(ln for ln in text.splitlines() if ln.startswith("ferry_inter_token_latency_seconds_count"))
+    assert float(itl.split()[-1]) > 0
     assert 'ferry_requests_total{endpoint="chat",status="200"}' in text
 
 
