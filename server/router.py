@@ -6,6 +6,10 @@
     decode_blocks(w)  = active decode blocks of w + prompt blocks
     cost(w)           = overlap_weight * prefill_blocks(w) + decode_blocks(w)
 
+Active decode blocks count each distinct block once, as the engine holds it once: sequences sharing a
+prefix on one worker share its blocks. Counting the prefix once per sequence would charge the worker that
+caches a popular prefix for every sequence using it, and push the next request away from its cache.
+
 Lowest cost wins, ties at random; with a temperature T > 0 the choice is sampled with probability
 proportional to exp(-(cost - min) / ((max - min) * T)). Load is this frontend's own exact in-flight
 counts plus what other frontends published through Redis.
@@ -17,6 +21,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from kvstore.hashing import block_hashes, chain_seed
@@ -58,6 +63,9 @@ class Decision:
     prefill_tokens: int = 0
     decode_blocks: int = 0
     prefilled: bool = False
+    # kv policy: the prompt's full-block hashes (held while the sequence runs) and its partial block.
+    blocks: list[int] = field(default_factory=list)
+    partial_block: int = 0
 
 
 @dataclass
@@ -94,6 +102,8 @@ class Router:
         self._rr = 0
         self.local: dict[str, WorkerLoad] = {}
         self.remote: dict[str, WorkerLoad] = {}
+        # Distinct full blocks of this frontend's active sequences per worker, with reference counts.
+        self.active_blocks: dict[str, Counter[int]] = {}
         self.index_ok = True
 
     # ---- choosing --------------------------------------------------------------------------------
@@ -120,6 +130,7 @@ class Router:
         block_size = candidates[0].block_size
         prompt_blocks = math.ceil(len(prompt.tokens) / block_size)
         overlap = 0
+        chain: list[int] = []
         if self.policy == "random":
             w = self._rng.choice(candidates)
         elif self.policy == "round_robin":
@@ -131,7 +142,7 @@ class Router:
         else:
             chain = prompt.chain(model, block_size)
             overlaps = await self._overlaps(model, chain)
-            w, overlap = self._cheapest(candidates, overlaps, len(prompt.tokens), prompt_blocks)
+            w, overlap = self._cheapest(candidates, overlaps, len(prompt.tokens), prompt_blocks, chain)
             if self.approx is not None:
                 self.approx.record(model, w.worker_id, chain)
         self._metrics.router_decision_seconds.observe(time.perf_counter() - t0)
@@ -142,6 +153,8 @@ class Router:
             predicted_cached_blocks=overlap,
             prefill_tokens=max(0, len(prompt.tokens) - overlap * block_size),
             decode_blocks=prompt_blocks,
+            blocks=chain,
+            partial_block=prompt_blocks - len(chain) if chain else 0,
         )
 
     async def _overlaps(self, model: str, chain: list[int]) -> dict[str, int]:
@@ -176,15 +189,24 @@ class Router:
         return total
 
     def _cheapest(
-        self, workers: list[WorkerStatus], overlaps: dict[str, int], prompt_tokens: int, prompt_blocks: int
+        self,
+        workers: list[WorkerStatus],
+        overlaps: dict[str, int],
+        prompt_tokens: int,
+        prompt_blocks: int,
+        chain: list[int],
     ) -> tuple[WorkerStatus, int]:
         weight = self.config.overlap_weight
+        chain_set = set(chain)
         costs: list[float] = []
         for w in workers:
             load = self.load(w.worker_id)
             overlap = overlaps.get(w.worker_id, 0)
             prefill_blocks = (load.prefill_tokens + prompt_tokens) / w.block_size - overlap
-            decode_blocks = load.decode_blocks + prompt_blocks
+            # Blocks of this prompt that active sequences on w already hold add no decode load there.
+            active = self.active_blocks.get(w.worker_id)
+            shared = len(active.keys() & chain_set) if active else 0
+            decode_blocks = load.decode_blocks + prompt_blocks - shared
             costs.append(weight * prefill_blocks + decode_blocks)
         lo, hi = min(costs), max(costs)
         t = self.config.temperature
@@ -210,8 +232,14 @@ class Router:
         """A sequence was sent to `d.worker_id`."""
         load = self.local.setdefault(d.worker_id, WorkerLoad())
         load.prefill_tokens += d.prefill_tokens
-        load.decode_blocks += d.decode_blocks
         load.sequences += 1
+        if d.blocks:
+            active = self.active_blocks.setdefault(d.worker_id, Counter())
+            before = len(active)
+            active.update(d.blocks)
+            load.decode_blocks += len(active) - before + d.partial_block
+        else:
+            load.decode_blocks += d.decode_blocks
 
     def prefilled(self, d: Decision) -> None:
         """The sequence produced its first token: its prompt is no longer pending prefill."""
@@ -228,10 +256,20 @@ class Router:
             return
         if not d.prefilled:
             load.prefill_tokens -= d.prefill_tokens
-        load.decode_blocks -= d.decode_blocks
         load.sequences -= 1
+        active = self.active_blocks.get(d.worker_id)
+        if d.blocks and active is not None:
+            before = len(active)
+            for h in d.blocks:
+                active[h] -= 1
+                if active[h] <= 0:
+                    del active[h]
+            load.decode_blocks -= before - len(active) + d.partial_block
+        else:
+            load.decode_blocks -= d.decode_blocks
         if load.sequences <= 0:
             del self.local[d.worker_id]
+            self.active_blocks.pop(d.worker_id, None)
 
     def forget_worker(self, worker_id: str) -> None:
         """A worker died: drop what the approximate index believed about it."""

@@ -86,6 +86,23 @@ async def test_kv_load_pushes_requests_away_from_a_busy_holder() -> None:
     assert (await r.choose("m", workers, PromptMemo(PROMPT))).worker_id == "b"
 
 
+async def test_shared_prefix_blocks_count_once_in_decode_load() -> None:
+    r = _router(index=FakeIndex({"b": 9}))
+    workers = [_w("a"), _w("b")]
+    prompts = [PROMPT[:144] + [50_000 + i] * 16 for i in range(4)]  # 9 shared blocks + 1 own block each
+    decisions = []
+    for p in prompts:
+        d = await r.choose("m", workers, PromptMemo(p))
+        assert d.worker_id == "b"  # the holder keeps winning: the shared blocks are already held there
+        r.started(d)
+        r.prefilled(d)  # the prompt is computed; only decode load remains
+        decisions.append(d)
+    assert r.local["b"].decode_blocks == 9 + 4  # shared prefix once, plus each sequence's own block
+    for d in decisions:
+        r.finished(d)
+    assert r.local == {} and r.active_blocks == {}
+
+
 async def test_prefill_load_drops_at_first_token() -> None:
     r = _router(index=FakeIndex({}))
     d = await r.choose("m", [_w("a")], PromptMemo(PROMPT))
@@ -100,7 +117,8 @@ async def test_prefill_load_drops_at_first_token() -> None:
 
 async def test_overlap_weight_zero_ignores_the_cache() -> None:
     r = _router(index=FakeIndex({"b": 9}), overlap_weight=0.0)
-    r.started(await r.choose("m", [_w("b")], PromptMemo(PROMPT)))  # b now carries decode load
+    other = [t + 10_000 for t in PROMPT]
+    r.started(await r.choose("m", [_w("b")], PromptMemo(other)))  # b now carries decode load
     assert (await r.choose("m", [_w("a"), _w("b")], PromptMemo(PROMPT))).worker_id == "a"
 
 
