@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import uvicorn
 from schemas.settings import FrontendSettings, WorkerSettings
 from server.app import Frontend, create_app
 from server.frontend_main import ReadyServer
-from server.services import free_port
+from server.services import Child, free_port
 from workers.main import build_engine
 from workers.worker import Worker
 
@@ -94,6 +95,24 @@ class Harness:
             if not w.task.done():
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(w.stop(), 15)
+
+
+async def worker_process(
+    worker_id: str, kafka: str, redis: str, prefix: str, model_path: Path, *extra: str
+) -> Child:
+    """A sim worker as a real child process (for tests that kill it), once it is registered."""
+    child = await Child.spawn(
+        worker_id,
+        [sys.executable, "-m", "workers", "--worker-id", worker_id, "--kafka", kafka, "--redis", redis,
+         "--redis-prefix", prefix, "--model-path", str(model_path), "--heartbeat-interval-s", "0.2", *extra],
+        echo=False,
+    )
+    try:
+        await child.wait_for_line(lambda line: line.startswith("ferry-worker-ready"), 60)
+    except BaseException:
+        await child.stop()
+        raise
+    return child
 
 
 @contextlib.asynccontextmanager

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,8 +11,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from server.services import Child
-from tests.harness import Harness, harness, sse_events
+from tests.harness import Harness, harness, sse_events, worker_process
 
 pytestmark = pytest.mark.integration
 
@@ -137,15 +135,8 @@ async def test_client_disconnect_aborts_in_engine(h: Harness) -> None:
 async def test_worker_killed_mid_stream_ends_with_error_event(
     h: Harness, kafka: str, redis_url: str, prefix: str, model_path: Path
 ) -> None:
-    child = await Child.spawn(
-        "victim",
-        [sys.executable, "-m", "workers", "--worker-id", "victim", "--kafka", kafka, "--redis", redis_url,
-         "--redis-prefix", prefix, "--model-path", str(model_path), "--heartbeat-interval-s", "0.2",
-         "--speedup", "1"],
-        echo=False,
-    )
+    child = await worker_process("victim", kafka, redis_url, prefix, model_path, "--speedup", "1")
     try:
-        await child.wait_for_line(lambda line: line.startswith("ferry-worker-ready"), 60)
         _fe, url = await h.add_frontend()
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
             async with c.stream(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,8 +14,8 @@ import redis.asyncio as aioredis
 from kvstore.hashing import block_hashes, chain_seed
 from kvstore.kv_index import KVIndex
 from schemas.names import RedisKeys
-from server.services import Child, free_port, start_redis
-from tests.harness import Harness, harness
+from server.services import free_port, start_redis
+from tests.harness import Harness, harness, worker_process
 
 pytestmark = pytest.mark.integration
 
@@ -82,15 +81,8 @@ async def test_two_frontends_share_load(h: Harness) -> None:
 async def test_dead_worker_leaves_the_index(
     h: Harness, kafka: str, redis_url: str, prefix: str, model_path: Path
 ) -> None:
-    child = await Child.spawn(
-        "victim",
-        [sys.executable, "-m", "workers", "--worker-id", "victim", "--kafka", kafka, "--redis", redis_url,
-         "--redis-prefix", prefix, "--model-path", str(model_path), "--heartbeat-interval-s", "0.2",
-         "--speedup", "50"],
-        echo=False,
-    )
+    child = await worker_process("victim", kafka, redis_url, prefix, model_path, "--speedup", "50")
     try:
-        await child.wait_for_line(lambda line: line.startswith("ferry-worker-ready"), 60)
         fe, url = await h.add_frontend()
         prompt = _prompt(3, 640)
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
