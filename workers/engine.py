@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Protocol
+from types import TracebackType
+from typing import Protocol, TypeVar
 
 import msgspec
 
@@ -50,6 +51,30 @@ class EngineDead(EngineError):
 
     def __init__(self, message: str) -> None:
         super().__init__("engine_dead", message, retriable=True)
+
+
+class _Startable(Protocol):
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+_S = TypeVar("_S", bound=_Startable)
+
+
+class EngineLifecycle:
+    """`async with engine:` for any engine: start on entry, stop on exit."""
+
+    async def __aenter__(self: _S) -> _S:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self: _Startable,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
 
 
 class Engine(Protocol):

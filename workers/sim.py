@@ -19,7 +19,6 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
-from types import TracebackType
 
 import msgspec
 import numpy as np
@@ -31,7 +30,7 @@ from schemas.kafka import FinishReason, GenerateRequest, TokenLogprob
 from schemas.kv_events import AllBlocksCleared, BlockStored, KVEvent, KVEventBatch
 from workers.block_pool import BlockPool, SequenceBlocks
 from workers.detok import Detokenizer
-from workers.engine import EngineDead, EngineError, EngineOutput, EngineStats
+from workers.engine import EngineDead, EngineError, EngineLifecycle, EngineOutput, EngineStats
 from workers.sim_timing import step_seconds
 
 logger = logging.getLogger(__name__)
@@ -168,7 +167,7 @@ class _OutputStream(AsyncIterator[EngineOutput]):
         await self._gen.aclose()
 
 
-class SimEngine:
+class SimEngine(EngineLifecycle):
     """A simulated vLLM engine implementing the Engine protocol on the caller's event loop."""
 
     def __init__(
@@ -226,18 +225,6 @@ class SimEngine:
         if self._pool.reset():
             self._publish(self._pool.take_events())
         self._close_kv_events()
-
-    async def __aenter__(self) -> SimEngine:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     async def check_health(self) -> None:
         """Raise EngineDead if the step loop died or the engine was stopped."""

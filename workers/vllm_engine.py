@@ -24,7 +24,6 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal
 
 import msgspec
@@ -48,7 +47,7 @@ from vllm.v1.metrics.stats import CachingMetrics, IterationStats, MultiModalCach
 from schemas.kafka import FinishReason, GenerateRequest, TokenLogprob
 from schemas.kv_events import KVEventBatch
 from workers.detok import Detokenizer
-from workers.engine import EngineDead, EngineError, EngineOutput, EngineStats
+from workers.engine import EngineDead, EngineError, EngineLifecycle, EngineOutput, EngineStats
 from workers.kv_bridge import KVBridge
 from workers.model_dir import ModelInfo, load_model_info
 
@@ -168,7 +167,7 @@ class _OutputStream(AsyncIterator[EngineOutput]):
         await self._gen.aclose()
 
 
-class VLLMEngine:
+class VLLMEngine(EngineLifecycle):
     """vLLM's AsyncLLM implementing the Engine protocol, with KV events in Ferry hashes."""
 
     def __init__(self, model_name: str, model_path: str | Path, config: VLLMConfig | None = None) -> None:
@@ -296,18 +295,6 @@ class VLLMEngine:
             # The engine and its cache are gone.
             self._publish(self._bridge.reset())
         self._close_kv_events()
-
-    async def __aenter__(self) -> VLLMEngine:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     async def check_health(self) -> None:
         """Raise EngineDead if vLLM's EngineCore or the KV-event reader died, or the engine stopped."""
