@@ -1,0 +1,212 @@
+"""`python -m bench.routing [run|decision] ...`: see the package docstring."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench.routing import report
+from bench.routing.run import PlanSettings, build_plan, evaluate, machine_info, run_system
+from bench.routing.systems import EngineKnobs, SystemSpec, available_systems
+from bench.workload import DEFAULT_TRACE
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Flags of the end-to-end benchmark."""
+    from schemas.settings import DEFAULT_MODEL_NAME, default_model_path
+
+    p = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__)
+    p.add_argument("--systems", default="default",
+                   help="comma-separated system names, 'default' or 'all'; 'list' prints them")  # fmt: skip
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--speedup", type=float, default=0.1, help="simulated step time / this (both engines)")
+    p.add_argument("--block-size", type=int, default=64, help="KV block size = tokens per trace hash id")
+    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per worker (both engines)")
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument("--trace-rates", type=_floats, default=(2.0, 16.0, 28.0, 40.0),
+                   help="request rates of the trace replay; the lowest is the unloaded reference")  # fmt: skip
+    p.add_argument("--trace-requests", type=int, default=240, help="most trace requests per run")
+    p.add_argument("--trace-seconds", type=float, default=30.0,
+                   help="a rate r so low that trace-requests would take longer replays r * this of them, evenly spaced")  # fmt: skip
+    p.add_argument(
+        "--trace-sample-every", type=int, default=32, help="keep 1 in N conversations of the trace"
+    )
+    p.add_argument("--prefix-fractions", type=_floats, default=(0.1, 0.3, 0.5, 0.7, 0.9))
+    p.add_argument("--prefix-rates", type=_floats, default=(16.0,), help="request rates of the prefix sweep")
+    p.add_argument("--prefix-requests", type=int, default=80)
+    p.add_argument("--prefix-input-tokens", type=int, default=2048)
+    p.add_argument("--prefix-output-tokens", type=int, default=32)
+    p.add_argument("--prefix-groups", type=int, default=16, help="distinct shared prefixes")
+    p.add_argument(
+        "--drain-seconds", type=float, default=30.0, help="how long a run may take after its last arrival"
+    )
+    p.add_argument("--settle-seconds", type=float, default=1.0, help="pause before each run")
+    p.add_argument("--model-path", default=default_model_path())
+    p.add_argument("--model-name", default=DEFAULT_MODEL_NAME)
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "routing.json")
+    p.add_argument("--plot-prefix", type=Path, default=REPO / "bench" / "results" / "routing",
+                   help="writes <prefix>_ttft.png and <prefix>_cache.png")  # fmt: skip
+    return p.parse_args(argv)
+
+
+def select(text: str) -> list[SystemSpec]:
+    """The systems named on the command line."""
+    every, default = available_systems(cwd=REPO)
+    if text == "default":
+        return default
+    if text == "all":
+        return every
+    by_name = {s.name: s for s in every}
+    if text == "list":
+        print("available:", ", ".join(by_name), "\ndefault:", ", ".join(s.name for s in default))
+        raise SystemExit(0)
+    chosen = []
+    for name in (n.strip() for n in text.split(",")):
+        if name not in by_name:
+            raise SystemExit(f"unknown or unavailable system {name!r}; available: {', '.join(by_name)}")
+        chosen.append(by_name[name])
+    return chosen
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every system on every run of the plan; the results document."""
+    systems = select(args.systems)
+    knobs = EngineKnobs(
+        workers=args.workers, block_size=args.block_size, num_blocks=args.num_blocks, speedup=args.speedup
+    )
+    settings = PlanSettings(
+        trace_path=args.trace,
+        trace_rates=tuple(sorted(args.trace_rates)),
+        trace_requests=args.trace_requests,
+        trace_seconds=args.trace_seconds,
+        trace_sample_every=args.trace_sample_every,
+        prefix_fractions=args.prefix_fractions,
+        prefix_rates=args.prefix_rates,
+        prefix_requests=args.prefix_requests,
+        prefix_input_tokens=args.prefix_input_tokens,
+        prefix_output_tokens=args.prefix_output_tokens,
+        prefix_groups=args.prefix_groups,
+        block_tokens=args.block_size,
+        max_model_len=knobs.max_model_len,
+    )
+    machine = machine_info(REPO)
+    peer: dict[str, Any] | None = None
+    if any(s.kind == "dynamo" for s in systems):
+        from bench.peers import dynamo
+
+        print(f"checking the Dynamo {dynamo.VERSION} install in {dynamo.default_venv()} ...", flush=True)
+        info = await asyncio.to_thread(dynamo.ensure_installed)
+        peer = {k: v for k, v in info.items() if k != "freeze"}
+    plan = build_plan(settings)
+    est = sum(it.workload.duration_s + args.settle_seconds + 3 for it in plan) * len(systems)
+    print(
+        f"{len(systems)} systems x {len(plan)} runs ({', '.join(it.key for it in plan)}); "
+        f"about {est / 60:.0f} min of traffic plus drains",
+        flush=True,
+    )
+    runs: list[dict[str, Any]] = []
+    per_system: dict[str, Any] = {}
+    t0 = time.monotonic()
+    for spec in systems:
+        print(f"{spec.name}: starting", flush=True)
+        try:
+            summaries, info = await run_system(
+                spec,
+                plan,
+                knobs,
+                model_path=args.model_path,
+                model_name=args.model_name,
+                drain_s=args.drain_seconds,
+                settle_s=args.settle_seconds,
+            )
+        except Exception as exc:
+            print(f"{spec.name}: FAILED: {exc}", flush=True)
+            per_system[spec.name] = {"error": str(exc)[-2000:]}
+            continue
+        runs += summaries
+        per_system[spec.name] = info
+    order = {it.key: i for i, it in enumerate(plan)}
+    sysorder = {s.name: i for i, s in enumerate(systems)}
+    runs.sort(key=lambda r: (order[r["run"]], sysorder[r["system"]]))
+    workloads: dict[str, Any] = {}
+    for it in plan:
+        workloads.setdefault(it.kind, it.workload.description | {"rate_rps": None})
+        workloads[f"{it.key}"] = {
+            "requests": len(it.workload.items),
+            "duration_s": round(it.workload.duration_s, 1),
+            "prompt_tokens": it.workload.prompt_tokens(),
+            "bound_fraction": round(it.bound().fraction, 4),
+        }
+    return {
+        "benchmark": "routing",
+        "command": "python -m bench.routing " + " ".join(sys.argv[1:]),
+        "machine": machine,
+        "elapsed_s": round(time.monotonic() - t0, 1),
+        "config": {
+            "engine": asdict(knobs),
+            "systems": [asdict(s) for s in systems],
+            "plan": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()},
+            "prefix_rates": list(args.prefix_rates),
+            "drain_s": args.drain_seconds,
+            "client": "bench.sse_client on uvloop: open loop, streamed /v1/completions with token-id prompts, "
+            "ignore_eos, max_tokens = the workload's output length, temperature 0",
+        },
+        "peer": peer,
+        "systems": per_system,
+        "workloads": workloads,
+        "runs": runs,
+        "targets": evaluate(runs),
+    }
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the end-to-end benchmark, or the decision micro-benchmark (`decision ...`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["decision"]:
+        from bench.routing.decision import main as decision_main
+
+        return decision_main(argv[1:])
+    if argv[:1] == ["run"]:
+        argv = argv[1:]
+    args = parse_args(argv)
+    import uvloop
+
+    results = _clean(uvloop.run(run(args)))
+    print()
+    print(report.table(results))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    written = report.plot(
+        results,
+        args.plot_prefix.with_name(args.plot_prefix.name + "_ttft.png"),
+        args.plot_prefix.with_name(args.plot_prefix.name + "_cache.png"),
+    )
+    print(f"\nwrote {args.out}" + "".join(f", {p}" for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
