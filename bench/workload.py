@@ -312,6 +312,23 @@ def infinite_cache_hits(prompts: Iterable[Sequence[int]], block_size: int) -> li
     return hits
 
 
+def prefix_sources(prompts: Sequence[Sequence[int]], block_size: int) -> list[int | None]:
+    """For each prompt, the latest earlier prompt holding its longest cached prefix (None without a hit):
+    the request whose blocks an infinite cache would serve it from."""
+    last: dict[int, int] = {}
+    out: list[int | None] = []
+    for i, prompt in enumerate(prompts):
+        chain = _chain(prompt, block_size)
+        limit = (len(prompt) - 1) // block_size if prompt else 0
+        hit = 0
+        while hit < limit and chain[hit] in last:
+            hit += 1
+        out.append(last[chain[hit - 1]] if hit else None)
+        for h in chain:
+            last[h] = i
+    return out
+
+
 def per_worker_hits(
     prompts: Sequence[Sequence[int]], workers: Sequence[str | None], block_size: int
 ) -> list[int]:

@@ -36,17 +36,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=64, help="KV block size = tokens per trace hash id")
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per worker (both engines)")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    p.add_argument("--trace-rates", type=_floats, default=(2.0, 16.0, 28.0, 40.0),
-                   help="request rates of the trace replay; the lowest is the unloaded reference")  # fmt: skip
+    p.add_argument("--unloaded", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the unloaded reference: the trace's requests, one per worker at a time, max_tokens 1")  # fmt: skip
+    p.add_argument("--trace-rates", type=_floats, default=(16.0, 28.0, 40.0),
+                   help="request rates of the trace replay")  # fmt: skip
     p.add_argument("--trace-requests", type=int, default=240, help="most trace requests per run")
-    p.add_argument("--trace-seconds", type=float, default=30.0,
+    p.add_argument("--trace-seconds", type=float, default=24.0,
                    help="a rate r so low that trace-requests would take longer replays r * this of them, evenly spaced")  # fmt: skip
     p.add_argument(
         "--trace-sample-every", type=int, default=32, help="keep 1 in N conversations of the trace"
     )
     p.add_argument("--prefix-fractions", type=_floats, default=(0.1, 0.3, 0.5, 0.7, 0.9))
     p.add_argument("--prefix-rates", type=_floats, default=(16.0,), help="request rates of the prefix sweep")
-    p.add_argument("--prefix-requests", type=int, default=80)
+    p.add_argument("--prefix-requests", type=int, default=64)
     p.add_argument("--prefix-input-tokens", type=int, default=2048)
     p.add_argument("--prefix-output-tokens", type=int, default=32)
     p.add_argument("--prefix-groups", type=int, default=16, help="distinct shared prefixes")
@@ -89,6 +91,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     settings = PlanSettings(
         trace_path=args.trace,
+        trace_unloaded=args.unloaded,
         trace_rates=tuple(sorted(args.trace_rates)),
         trace_requests=args.trace_requests,
         trace_seconds=args.trace_seconds,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -188,3 +188,37 @@ async def replay(
     ends = [r.finished_at for r in results.values() if not math.isnan(r.finished_at)]
     wall = max(ends) if ends else time.perf_counter() - start
     return ReplayResult(sorted(results.values(), key=lambda r: r.index), wall, not_sent)
+
+
+async def closed_loop(
+    host: str,
+    port: int,
+    model: str,
+    items: list[WorkItem],
+    *,
+    concurrency: int,
+    request_timeout_s: float = 120.0,
+    extra_body: dict[str, Any] | None = None,
+) -> ReplayResult:
+    """Send the items in order, `concurrency` at a time, each as soon as a previous one has finished: the
+    unloaded reference (with `concurrency` = the number of workers, each worker has about one request)."""
+    queue = list(reversed(items))
+    results: list[ReplayResult] = []
+    start = time.perf_counter()
+
+    async def lane() -> None:
+        while queue:
+            item = queue.pop()
+            at = time.perf_counter() - start
+            rep = await replay(
+                host, port, model, [replace(item, at=0.0)], request_timeout_s=request_timeout_s,
+                deadline_s=request_timeout_s + 5, extra_body=extra_body,
+            )  # fmt: skip
+            for r in rep.results:
+                r.scheduled, r.lateness = at, 0.0
+                r.finished_at += at
+            results.append(rep)
+
+    await asyncio.gather(*(lane() for _ in range(concurrency)))
+    flat = sorted((r for rep in results for r in rep.results), key=lambda r: r.index)
+    return ReplayResult(flat, time.perf_counter() - start, sum(rep.not_sent for rep in results))

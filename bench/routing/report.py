@@ -27,7 +27,7 @@ def table(results: dict[str, Any]) -> str:
     ]
     head = (
         f"{'run':<16} {'system':<20} {'ok':>8} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'ITL p50':>8} {'p99':>6} "
-        f"{'tok/s':>7} {'req/s':>6} {'cached%':>8} {'routed%':>8} {'bound%':>7} {'of bnd':>7} {'cpu%':>6}"
+        f"{'tok/s':>7} {'req/s':>6} {'cached%':>8} {'routed%':>8} {'inflt%':>7} {'bound%':>7} {'of bnd':>7} {'cpu%':>6}"
     )
     lines += [head, "-" * len(head)]
     last = None
@@ -41,6 +41,7 @@ def table(results: dict[str, Any]) -> str:
             f"{_f(t['p99']):>7} {_f(i['p50'], '{:.1f}'):>8} {_f(i['p99']):>6} "
             f"{_f(tp['output_tokens_per_s']):>7} {_f(tp['requests_per_s'], '{:.2f}'):>6} "
             f"{_pct(r['cached_fraction']):>8} {_pct(r.get('routed_bound_fraction')):>8} "
+            f"{_pct(r.get('missed_while_source_prefilling')):>7} "
             f"{_pct(r['bound_fraction']):>7} {_pct(r['of_bound']):>7} "
             f"{_f(r['cpu']['system_pct']):>6}"
         )
@@ -48,13 +49,13 @@ def table(results: dict[str, Any]) -> str:
     lines.append(
         "(ms; ITL = gaps between streamed tokens; cached% = cached / prompt tokens the engines reported;"
     )
-    lines.append(
-        " routed% = an infinite cache per worker over what the router sent it: bound - routed is lost to"
+    notes = (
+        " routed% = an infinite cache per worker over what the router sent it: bound - routed is lost to routing",
+        " choices, routed - cached inside the engines (eviction, timing); inflt% = the part of bound - routed whose",
+        " source request had not produced its first token yet when this one was sent; bound% = one infinite",
+        " cache that has seen every earlier request; cpu% = the system's processes, % of one core)",
     )
-    lines.append(
-        " routing choices, routed - cached inside the engines (eviction, timing); bound% = one infinite cache"
-    )
-    lines.append(" that has seen every earlier request; cpu% = the system's processes, % of one core)")
+    lines += notes
     t = results["targets"]
     if "kv_vs_round_robin" in t:
         e = t["kv_vs_round_robin"]
@@ -172,7 +173,9 @@ def plot(results: dict[str, Any], ttft_path: Path, cache_path: Path) -> list[Pat
                 if b:
                     ax.hlines(100 * max(b), i - 0.45, i + 0.45, colors="black", linewidth=2,
                               label="bound" if i == 0 else None)  # fmt: skip
-            ax.set_xticks(range(len(trace_runs)), [f"{rate:g} req/s" for rate, _ in trace_runs])
+            ax.set_xticks(
+                range(len(trace_runs)), [f"{rate:g} req/s" if rate else "unloaded" for rate, _ in trace_runs]
+            )
             ax.set_title("Mooncake conversation trace (scaled)", fontsize=10)
             ax.grid(True, axis="y", alpha=0.3)
             ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
