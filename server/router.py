@@ -10,6 +10,10 @@ Active decode blocks count each distinct block once, as the engine holds it once
 prefix on one worker share its blocks. Counting the prefix once per sequence would charge the worker that
 caches a popular prefix for every sequence using it, and push the next request away from its cache.
 
+overlap(w) is the longer of what the KV index says w caches and the leading blocks of the prompt that
+sequences this frontend sent to w are holding: the index hears of a prompt's blocks only once the engine
+has prefilled them, and a conversation's next turn or a burst on one system prompt often arrives sooner.
+
 Lowest cost wins, ties at random; with a temperature T > 0 the choice is sampled with probability
 proportional to exp(-(cost - min) / ((max - min) * T)). Load is this frontend's own exact in-flight
 counts plus what other frontends published through Redis.
@@ -199,12 +203,16 @@ class Router:
         weight = self.config.overlap_weight
         chain_set = set(chain)
         costs: list[float] = []
+        best: dict[str, int] = {}
         for w in workers:
             load = self.load(w.worker_id)
-            overlap = overlaps.get(w.worker_id, 0)
+            active = self.active_blocks.get(w.worker_id)
+            # The index learns of a prompt's blocks only once the engine has prefilled them; until then
+            # the sequences this frontend sent are the freshest evidence of what a worker will hold.
+            overlap = max(overlaps.get(w.worker_id, 0), _leading(chain, active) if active else 0)
+            best[w.worker_id] = overlap
             prefill_blocks = (load.prefill_tokens + prompt_tokens) / w.block_size - overlap
             # Blocks of this prompt that active sequences on w already hold add no decode load there.
-            active = self.active_blocks.get(w.worker_id)
             shared = len(active.keys() & chain_set) if active else 0
             decode_blocks = load.decode_blocks + prompt_blocks - shared
             costs.append(weight * prefill_blocks + decode_blocks)
@@ -216,7 +224,7 @@ class Router:
         else:
             i = self._rng.choice([j for j, c in enumerate(costs) if c == lo])
         chosen = workers[i]
-        return chosen, overlaps.get(chosen.worker_id, 0)
+        return chosen, best[chosen.worker_id]
 
     def _least_loaded(self, workers: list[WorkerStatus]) -> WorkerStatus:
         # In-flight sequences from every frontend, plus what the worker itself reports queued.
@@ -275,3 +283,13 @@ class Router:
         """A worker died: drop what the approximate index believed about it."""
         if self.approx is not None:
             self.approx.forget_worker(worker_id)
+
+
+def _leading(chain: list[int], held: Counter[int]) -> int:
+    """How many leading blocks of `chain` are in `held` (chained hashes: a hit implies its prefix)."""
+    n = 0
+    for h in chain:
+        if h not in held:
+            break
+        n += 1
+    return n

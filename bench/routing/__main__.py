@@ -114,7 +114,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         info = await asyncio.to_thread(dynamo.ensure_installed)
         peer = {k: v for k, v in info.items() if k != "freeze"}
     plan = build_plan(settings)
-    est = sum(it.workload.duration_s + args.settle_seconds + 3 for it in plan) * len(systems)
+    # The unloaded probe's pace is set by the engines, not the trace clock: count it as its request count
+    # of sub-second first tokens spread over the workers.
+    est = len(systems) * sum(
+        (len(it.workload.items) / args.workers if it.probe else it.workload.duration_s) + args.settle_seconds + 3
+        for it in plan
+    )
     print(
         f"{len(systems)} systems x {len(plan)} runs ({', '.join(it.key for it in plan)}); "
         f"about {est / 60:.0f} min of traffic plus drains",

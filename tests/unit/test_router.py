@@ -103,6 +103,22 @@ async def test_shared_prefix_blocks_count_once_in_decode_load() -> None:
     assert r.local == {} and r.active_blocks == {}
 
 
+async def test_kv_counts_blocks_still_being_prefilled_as_held() -> None:
+    # The index knows nothing yet: the first turn is still in prefill when the second turn arrives.
+    r = _router(index=FakeIndex({}))
+    workers = [_w("a"), _w("b")]
+    first = await r.choose("m", workers, PromptMemo(PROMPT))
+    r.started(first)
+    other = "b" if first.worker_id == "a" else "a"
+    small = await r.choose("m", [w for w in workers if w.worker_id == other], PromptMemo(list(range(5000, 5048))))
+    r.started(small)
+    r.prefilled(small)
+    second = await r.choose("m", workers, PromptMemo(PROMPT + list(range(9000, 9032))))
+    # Elsewhere: 12 blocks to prefill + 3 + 12 decode = 27; beside the first turn: 22 - 10 + 12 = 24.
+    assert (second.worker_id, second.predicted_cached_blocks) == (first.worker_id, 10)
+    assert second.prefill_tokens == 192 - 160
+
+
 async def test_prefill_load_drops_at_first_token() -> None:
     r = _router(index=FakeIndex({}))
     d = await r.choose("m", [_w("a")], PromptMemo(PROMPT))
@@ -153,9 +169,11 @@ async def test_index_outage_falls_back_to_load_and_recovers() -> None:
     assert not r.index_ok
     busy = next(iter(r.local))
     other = "a" if busy == "b" else "b"
-    assert (await r.choose("m", workers, PromptMemo(PROMPT))).worker_id == other  # by load
+    unrelated = PromptMemo([t + 20_000 for t in PROMPT])
+    assert (await r.choose("m", workers, unrelated)).worker_id == other  # by load
     idx.fail = False
     r.local.clear()
+    r.active_blocks.clear()
     assert (await r.choose("m", workers, PromptMemo(PROMPT))).worker_id == "b"
     assert r.index_ok
 
