@@ -117,7 +117,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     # The unloaded probe's pace is set by the engines, not the trace clock: count it as its request count
     # of sub-second first tokens spread over the workers.
     est = len(systems) * sum(
-        (len(it.workload.items) / args.workers if it.probe else it.workload.duration_s) + args.settle_seconds + 3
+        (len(it.workload.items) / args.workers if it.probe else it.workload.duration_s)
+        + args.settle_seconds
+        + 3
         for it in plan
     )
     print(

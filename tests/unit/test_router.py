@@ -49,7 +49,9 @@ async def test_round_robin_cycles() -> None:
 
 async def test_random_covers_every_worker() -> None:
     r = _router("random")
-    picks = Counter([(await r.choose("m", [_w("a"), _w("b")], PromptMemo(PROMPT))).worker_id for _ in range(200)])
+    picks = Counter(
+        [(await r.choose("m", [_w("a"), _w("b")], PromptMemo(PROMPT))).worker_id for _ in range(200)]
+    )
     assert set(picks) == {"a", "b"} and min(picks.values()) > 50
 
 
@@ -110,7 +112,9 @@ async def test_kv_counts_blocks_still_being_prefilled_as_held() -> None:
     first = await r.choose("m", workers, PromptMemo(PROMPT))
     r.started(first)
     other = "b" if first.worker_id == "a" else "a"
-    small = await r.choose("m", [w for w in workers if w.worker_id == other], PromptMemo(list(range(5000, 5048))))
+    small = await r.choose(
+        "m", [w for w in workers if w.worker_id == other], PromptMemo(list(range(5000, 5048)))
+    )
     r.started(small)
     r.prefilled(small)
     second = await r.choose("m", workers, PromptMemo(PROMPT + list(range(9000, 9032))))
@@ -143,7 +147,9 @@ async def test_temperature_spreads_choices() -> None:
     cold = _router(index=idx)
     hot = _router(index=idx, temperature=5.0)
     workers = [_w("a"), _w("b"), _w("c")]
-    cold_picks = Counter([(await cold.choose("m", workers, PromptMemo(PROMPT))).worker_id for _ in range(100)])
+    cold_picks = Counter(
+        [(await cold.choose("m", workers, PromptMemo(PROMPT))).worker_id for _ in range(100)]
+    )
     hot_picks = Counter([(await hot.choose("m", workers, PromptMemo(PROMPT))).worker_id for _ in range(300)])
     assert cold_picks == Counter({"b": 100})
     assert set(hot_picks) == {"a", "b", "c"} and hot_picks.most_common(1)[0][0] == "b"
