@@ -336,12 +336,16 @@ def _index(runs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
     return {(r["system"], r["run"]): r for r in runs}
 
 
+def _rate_of(key: str) -> float:
+    """The request rate in a run's name; the unloaded reference sorts first."""
+    rate = key.split("@")[1]
+    return 0.0 if rate == "unloaded" else float(rate)
+
+
 def evaluate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Issue 3's targets, from the trace runs (and the prefix sweep for the peer comparison)."""
     idx = _index(runs)
-    trace_keys = sorted(
-        {r["run"] for r in runs if r["kind"] == "trace"}, key=lambda k: float(k.split("@")[1])
-    )
+    trace_keys = sorted({r["run"] for r in runs if r["kind"] == "trace"}, key=_rate_of)
     out: dict[str, Any] = {}
     rr = [idx.get((REFERENCE_POLICY, k)) for k in trace_keys]
     if trace_keys and all(rr):
