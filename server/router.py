@@ -10,9 +10,10 @@ Active decode blocks count each distinct block once, as the engine holds it once
 prefix on one worker share its blocks. Counting the prefix once per sequence would charge the worker that
 caches a popular prefix for every sequence using it, and push the next request away from its cache.
 
-overlap(w) is the longer of what the KV index says w caches and the leading blocks of the prompt that
-sequences this frontend sent to w are holding: the index hears of a prompt's blocks only once the engine
-has prefilled them, and a conversation's next turn or a burst on one system prompt often arrives sooner.
+overlap(w) is the longer of what the KV index says w caches and (`inflight_overlap`, default) the leading
+blocks of the prompt that sequences this frontend sent to w are holding: the index hears of a prompt's
+blocks only once the engine has prefilled them, and a conversation's next turn or a burst on one system
+prompt often arrives sooner.
 
 Lowest cost wins, ties at random; with a temperature T > 0 the choice is sampled with probability
 proportional to exp(-(cost - min) / ((max - min) * T)). Load is this frontend's own exact in-flight
@@ -56,6 +57,7 @@ class RouterConfig:
     busy_waiting: int = 0
     kv_events: bool = True
     approx_ttl_s: float = 120.0
+    inflight_overlap: bool = True
 
 
 @dataclass
@@ -209,7 +211,9 @@ class Router:
             active = self.active_blocks.get(w.worker_id)
             # The index learns of a prompt's blocks only once the engine has prefilled them; until then
             # the sequences this frontend sent are the freshest evidence of what a worker will hold.
-            overlap = max(overlaps.get(w.worker_id, 0), _leading(chain, active) if active else 0)
+            overlap = overlaps.get(w.worker_id, 0)
+            if active and self.config.inflight_overlap:
+                overlap = max(overlap, _leading(chain, active))
             best[w.worker_id] = overlap
             prefill_blocks = (load.prefill_tokens + prompt_tokens) / w.block_size - overlap
             # Blocks of this prompt that active sequences on w already hold add no decode load there.

@@ -18,6 +18,7 @@ from bench.stack import FerryStack, machine_busy_seconds, process_cpu_seconds
 # accepts its flags, so a new policy needs only a line here.
 FERRY_POLICIES: list[tuple[str, list[str]]] = [
     ("ferry kv", ["--router-policy", "kv", "--kv-events"]),
+    ("ferry kv-index-only", ["--router-policy", "kv", "--kv-events", "--no-inflight-overlap"]),
     ("ferry kv-approx", ["--router-policy", "kv", "--no-kv-events"]),
     ("ferry round_robin", ["--router-policy", "round_robin"]),
     ("ferry random", ["--router-policy", "random"]),

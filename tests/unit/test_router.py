@@ -105,9 +105,10 @@ async def test_shared_prefix_blocks_count_once_in_decode_load() -> None:
     assert r.local == {} and r.active_blocks == {}
 
 
-async def test_kv_counts_blocks_still_being_prefilled_as_held() -> None:
+@pytest.mark.parametrize("inflight_overlap", [True, False])
+async def test_kv_counts_blocks_still_being_prefilled_as_held(inflight_overlap: bool) -> None:
     # The index knows nothing yet: the first turn is still in prefill when the second turn arrives.
-    r = _router(index=FakeIndex({}))
+    r = _router(index=FakeIndex({}), inflight_overlap=inflight_overlap)
     workers = [_w("a"), _w("b")]
     first = await r.choose("m", workers, PromptMemo(PROMPT))
     r.started(first)
@@ -118,6 +119,9 @@ async def test_kv_counts_blocks_still_being_prefilled_as_held() -> None:
     r.started(small)
     r.prefilled(small)
     second = await r.choose("m", workers, PromptMemo(PROMPT + list(range(9000, 9032))))
+    if not inflight_overlap:  # index only: beside the first turn 22 + 12 = 34 against 27 elsewhere
+        assert (second.worker_id, second.predicted_cached_blocks) == (other, 0)
+        return
     # Elsewhere: 12 blocks to prefill + 3 + 12 decode = 27; beside the first turn: 22 - 10 + 12 = 24.
     assert (second.worker_id, second.predicted_cached_blocks) == (first.worker_id, 10)
     assert second.prefill_tokens == 192 - 160
