@@ -7,13 +7,31 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-# Ranges follow the OpenAI API reference; anything outside is a 400 before a worker sees it.
+# Ranges follow the OpenAI API reference; anything outside is a 400 before a worker sees it. JSON integers
+# have no size limit and msgspec keeps them exact, so every integer gets an upper bound too: a value that
+# does not fit the MessagePack int64 of a Kafka message must fail here, not in the producer.
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 N = Annotated[int, Meta(ge=1, le=128)]
-MaxTokens = Annotated[int, Meta(ge=1)]
+MaxTokens = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+# vLLM's convention: -1 (or 0) turns top-k off.
+TopK = Annotated[int, Meta(ge=-1, le=2**31 - 1)]
+Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]
+
+
+class FieldError(ValueError):
+    """A rule across fields that msgspec cannot express; `field` is relative to the Struct that raised it.
+
+    Raised from `__post_init__`, it reaches the caller as the `__cause__` of a msgspec.ValidationError whose
+    path names that Struct, so the HTTP error can name the exact field (`messages[2].content`).
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
@@ -54,6 +72,13 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
     name: str | None = None
     tool_call_id: str | None = None
 
+    def __post_init__(self) -> None:
+        # OpenAI lets only an assistant message (one that made tool calls) go without content.
+        if self.content is None and self.role != "assistant":
+            raise FieldError("content", f"A message with role '{self.role}' needs `content`.")
+        if isinstance(self.content, list) and not self.content:
+            raise FieldError("content", "`content` must not be an empty array.")
+
 
 class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by chat and text completions (OpenAI's, plus vLLM's common extensions)."""
@@ -64,19 +89,24 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     top_p: TopP | None = None
     n: N = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     user: str | None = None
     # vLLM extensions, sent by clients through `extra_body`.
-    top_k: int = -1
+    top_k: TopK = -1
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: Priority = 0
+
+    def __post_init__(self) -> None:
+        # As OpenAI and vLLM do: options of a stream are a mistake on a request that does not stream.
+        if self.stream_options is not None and not self.stream:
+            raise FieldError("stream_options", "`stream_options` is only allowed when `stream` is true.")
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -87,6 +117,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "`top_logprobs` needs `logprobs` set to true.")
 
 
 # msgspec allows one array type per union, so the four OpenAI prompt shapes (a string, strings,

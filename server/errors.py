@@ -5,17 +5,21 @@ from __future__ import annotations
 import msgspec
 from starlette.responses import Response
 
-from schemas.openai import ErrorDetail, ErrorResponse, json_encoder
+from schemas.openai import ErrorDetail, ErrorResponse, FieldError, json_encoder
 
+# OpenAI calls every client error but rate limiting `invalid_request_error`, a bad or missing API key too.
 _TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable_error",
 }
+
+
+def error_type(status: int) -> str:
+    """OpenAI's `type` for an HTTP status."""
+    if status in _TYPES:
+        return _TYPES[status]
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
 
 
 class APIError(Exception):
@@ -39,9 +43,7 @@ class APIError(Exception):
 
     def body(self) -> ErrorResponse:
         """The error as an OpenAI error body."""
-        return ErrorResponse(
-            ErrorDetail(self.message, _TYPES.get(self.status, "server_error"), self.param, self.code)
-        )
+        return ErrorResponse(ErrorDetail(self.message, error_type(self.status), self.param, self.code))
 
     def response(self) -> Response:
         """The error as a complete HTTP response."""
@@ -53,19 +55,37 @@ class APIError(Exception):
         )
 
 
-def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> APIError:
+def from_validation_error(
+    exc: msgspec.ValidationError | msgspec.DecodeError | UnicodeDecodeError,
+) -> APIError:
     """A 400 for a body msgspec refused, naming the offending field as OpenAI's `param`."""
+    if isinstance(exc, UnicodeDecodeError):
+        return APIError(400, "The request body is not valid UTF-8 JSON.", code="invalid_json")
     text = str(exc)
-    param = None
-    if " - at `$." in text:
-        text, _, path = text.rpartition(" - at `$.")
-        param = path.rstrip("`")
-    elif text.startswith("Object missing required field `"):
-        param = text.split("`")[1]
-    if isinstance(exc, msgspec.ValidationError):
-        message = f"{text}" + (f" (at '{param}')" if param else "")
-        return APIError(400, message, param=param, code="invalid_value")
-    return APIError(400, f"Invalid JSON body: {text}", code="invalid_json")
+    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
+        return APIError(
+            400, f"We could not parse the JSON body of your request: {text}.", code="invalid_json"
+        )
+    path = ""
+    if " - at `$" in text:
+        text, _, at = text.rpartition(" - at `$")
+        path = at.rstrip("`").lstrip(".")
+    cause = exc.__cause__
+    if isinstance(cause, FieldError):
+        # A rule checked in __post_init__: msgspec names the Struct, the rule names the field in it.
+        param = f"{path}.{cause.field}" if path else cause.field
+        return APIError(400, f"Invalid '{param}': {cause}", param=param, code="invalid_value")
+    if text.startswith("Object missing required field `"):
+        field = text.split("`")[1]
+        param = f"{path}.{field}" if path else field
+        return APIError(
+            400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
+        )
+    code = "invalid_type" if text.startswith("Expected `") and ", got `" in text else "invalid_value"
+    if not path:
+        # The body as a whole has the wrong shape (an array, a string, null).
+        return APIError(400, f"Invalid request body: {text}.", code=code)
+    return APIError(400, f"Invalid '{path}': {text}.", param=path, code=code)
 
 
 def model_not_found(model: str) -> APIError:

@@ -7,6 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import jinja2
+
 from schemas.kafka import SamplingParams
 from schemas.openai import (
     ChatCompletionRequest,
@@ -133,11 +135,20 @@ class Preprocessor:
         """Template, tokenize and budget a chat request."""
         messages = chat_messages(req)
         size = sum(len(m["content"]) for m in messages)
-        if size > self._threshold:
-            loop = asyncio.get_running_loop()
-            text = await loop.run_in_executor(self._pool, self.model.render_chat, messages, req.add_generation_prompt)
-        else:
-            text = self.model.render_chat(messages, req.add_generation_prompt)
+        try:
+            if size > self._threshold:
+                loop = asyncio.get_running_loop()
+                text = await loop.run_in_executor(
+                    self._pool, self.model.render_chat, messages, req.add_generation_prompt
+                )
+            else:
+                text = self.model.render_chat(messages, req.add_generation_prompt)
+        except jinja2.TemplateError as exc:
+            # The model's template refused the conversation (roles out of order, say): the client's error.
+            raise APIError(
+                400, f"The model's chat template rejected these messages: {exc}", param="messages",
+                code="invalid_value",
+            ) from None
         # The template already wrote the special tokens.
         ids = await self._encode(text, add_special_tokens=False)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
