@@ -57,7 +57,25 @@ class Cancel(msgspec.Struct, tag="cancel", frozen=True):
     request_id: str
 
 
-RequestMessage = GenerateRequest | Cancel
+class LoadLora(msgspec.Struct, tag="lora_load", frozen=True):
+    """Load a LoRA adapter from a directory on the worker's host; answered with a LoraAck."""
+
+    op_id: str
+    lora_name: str
+    lora_path: str
+    # The asking frontend's admin topic (schemas.names.admin_topic).
+    reply_topic: str
+
+
+class UnloadLora(msgspec.Struct, tag="lora_unload", frozen=True):
+    """Forget a LoRA adapter; requests already running with it finish. Answered with a LoraAck."""
+
+    op_id: str
+    lora_name: str
+    reply_topic: str
+
+
+RequestMessage = GenerateRequest | Cancel | LoadLora | UnloadLora
 
 
 class ErrorInfo(msgspec.Struct, frozen=True):
@@ -105,3 +123,43 @@ ReplyMessage = Chunk
 request_encoder = msgspec.msgpack.Encoder()
 request_decoder: msgspec.msgpack.Decoder[RequestMessage] = msgspec.msgpack.Decoder(RequestMessage)
 reply_decoder: msgspec.msgpack.Decoder[Chunk] = msgspec.msgpack.Decoder(Chunk)
+
+
+# ---- ferry.pool.<model>: undirected batch work ---------------------------------------------------
+
+
+class PoolItem(msgspec.Struct, tag="pool_item", omit_defaults=True, frozen=True):
+    """One batch item: every sequence of one OpenAI request, run together on whichever worker takes it.
+
+    The requests' `reply_topic` is the batch results topic; their ids are `<item_id>/<k>` for the
+    k-th sequence, so the coordinator can tell which item a chunk belongs to.
+    """
+
+    item_id: str
+    requests: list[GenerateRequest]
+    # The batch the item belongs to ("" for a Kafka-native item): workers skip items of stopped batches.
+    batch_id: str = ""
+
+
+PoolMessage = PoolItem
+
+pool_decoder: msgspec.msgpack.Decoder[PoolMessage] = msgspec.msgpack.Decoder(PoolMessage)
+
+
+# ---- ferry.admin.<frontend_id>: answers to control messages ------------------------------------
+
+
+class LoraAck(msgspec.Struct, tag="lora_ack", omit_defaults=True, frozen=True):
+    """A worker's answer to LoadLora or UnloadLora: `error` is None when it did what was asked."""
+
+    op_id: str
+    worker_id: str
+    lora_name: str
+    error: ErrorInfo | None = None
+    # The adapters the worker holds after the operation.
+    adapters: list[str] = []
+
+
+AdminReply = LoraAck
+
+admin_reply_decoder: msgspec.msgpack.Decoder[AdminReply] = msgspec.msgpack.Decoder(AdminReply)

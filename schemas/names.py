@@ -25,9 +25,39 @@ def reply_topic(frontend_id: str) -> str:
     return f"ferry.replies.{slug(frontend_id)}"
 
 
+def admin_topic(frontend_id: str) -> str:
+    """Topic one frontend reads workers' answers to its control messages (LoRA load/unload) from."""
+    return f"ferry.admin.{slug(frontend_id)}"
+
+
 def pool_topic(model: str) -> str:
     """Topic all workers of one model read undirected (batch) work from."""
     return f"ferry.pool.{slug(model)}"
+
+
+def pool_group(model: str) -> str:
+    """Consumer group of every worker of one model on its pool topic."""
+    return f"ferry-pool-{slug(model)}"
+
+
+def batch_results_topic(model: str) -> str:
+    """Topic workers send batch items' chunks to; read by the frontends' batch coordinators."""
+    return f"ferry.batch.results.{slug(model)}"
+
+
+def batch_results_group(model: str) -> str:
+    """Consumer group of the frontends' batch coordinators of one model."""
+    return f"ferry-batch-results-{slug(model)}"
+
+
+def batch_submit_topic(model: str) -> str:
+    """Topic other services produce Kafka-native batch items to (JSON, one request each)."""
+    return f"ferry.batch.submit.{slug(model)}"
+
+
+def batch_submit_group(model: str) -> str:
+    """Consumer group of the frontends that take Kafka-native batch items of one model."""
+    return f"ferry-batch-submit-{slug(model)}"
 
 
 class RedisKeys:
@@ -61,3 +91,53 @@ class RedisKeys:
     def load(self, frontend_id: str) -> str:
         """One frontend's in-flight load per worker (field = worker id); expires with the frontend."""
         return f"{self.prefix}load:{frontend_id}"
+
+    # ---- batch API ---------------------------------------------------------------------------
+
+    def file(self, file_id: str) -> str:
+        """Metadata (MessagePack `FileObject`) of one stored file."""
+        return f"{self.prefix}file:{file_id}"
+
+    def files(self) -> str:
+        """Sorted set of file ids by creation time."""
+        return f"{self.prefix}files"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash with one batch's status, timestamps, counts and static fields."""
+        return f"{self.prefix}batch:{batch_id}"
+
+    def batches(self) -> str:
+        """Sorted set of batch ids by creation time (for listing)."""
+        return f"{self.prefix}batches"
+
+    def batches_active(self) -> str:
+        """Set of batch ids not yet in a final state (what the coordinators sweep)."""
+        return f"{self.prefix}batches:active"
+
+    def batches_stopped(self) -> str:
+        """Sorted set of cancelled or expired batch ids by time; workers skip and abort their items."""
+        return f"{self.prefix}batches:stopped"
+
+    def batch_items(self, batch_id: str) -> str:
+        """Hash item index -> MessagePack `ItemMeta` of one batch."""
+        return f"{self.prefix}batch:{batch_id}:items"
+
+    def batch_done(self, batch_id: str) -> str:
+        """Set of item indexes of one batch that have their output line (deduplication)."""
+        return f"{self.prefix}batch:{batch_id}:done"
+
+    def batch_lines(self, batch_id: str, kind: str) -> str:
+        """List of output (`out`) or error (`err`) lines of one batch, until its files are written."""
+        return f"{self.prefix}batch:{batch_id}:{kind}"
+
+    def batch_lock(self, batch_id: str) -> str:
+        """Which frontend is submitting or finalizing one batch (expires if it dies)."""
+        return f"{self.prefix}batch:{batch_id}:lock"
+
+    def batch_item(self, item_id: str) -> str:
+        """`ItemMeta` of one Kafka-native batch item (expires)."""
+        return f"{self.prefix}bitem:{item_id}"
+
+    def batch_item_done(self, item_id: str) -> str:
+        """Set once a Kafka-native item's result was sent (deduplication; expires)."""
+        return f"{self.prefix}bitem:{item_id}:done"

@@ -61,6 +61,13 @@ class CommonSettings:
             "waiting fetch as soon as data arrives"
         ),
     )
+    pool_partitions: int = dataclasses.field(
+        default=16,
+        metadata=_help(
+            "partitions of each ferry.pool.<model> topic (batch work); at least the number of workers that "
+            "should share it"
+        ),
+    )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -89,6 +96,10 @@ class FrontendSettings(CommonSettings):
     approx_ttl_s: float = dataclasses.field(
         default=120.0, metadata=_help("kv --no-kv-events: how long a routed prompt counts as cached")
     )
+    inflight_overlap: bool = dataclasses.field(
+        default=True,
+        metadata=_help("kv: count prompt blocks of sequences this frontend sent a worker as held there"),
+    )
     busy_kv_usage: float = dataclasses.field(
         default=0.95, metadata=_help("skip workers whose KV usage is at least this")
     )
@@ -114,10 +125,49 @@ class FrontendSettings(CommonSettings):
     kafka_timeout_s: float = dataclasses.field(
         default=5.0, metadata=_help("how long a produce may take before the request gets 503")
     )
+    # ---- batch API (server/batch/)
+    batch_dir: str = dataclasses.field(
+        default="", metadata=_help("directory of uploaded and result files; empty = $FERRY_HOME/files")
+    )
+    batch_windows: str = dataclasses.field(
+        default="24h", metadata=_help("completion windows a batch may ask for, comma-separated (e.g. 24h,10s)")
+    )
+    batch_priority: int = dataclasses.field(
+        default=100,
+        metadata=_help("engine priority of batch items; interactive requests default to 0, lower runs first"),
+    )
+    batch_order: Literal["prefix", "submission"] = dataclasses.field(
+        default="prefix",
+        metadata=_help("prefix = items sharing a prompt prefix run together on one worker; submission = file order"),
+    )
+    batch_cancel_grace_s: float = dataclasses.field(
+        default=5.0,
+        metadata=_help("a cancelling batch is cancelled once every item is accounted for or after this long"),
+    )
+    batch_max_file_bytes: int = dataclasses.field(
+        default=200 << 20, metadata=_help("largest file accepted by POST /v1/files")
+    )
+    batch_max_requests: int = dataclasses.field(default=50_000, metadata=_help("most requests in one batch file"))
+    batch_kafka_intake: bool = dataclasses.field(
+        default=True, metadata=_help("take Kafka-native batch items from ferry.batch.submit.<model>")
+    )
     tokenize_threshold_chars: int = dataclasses.field(
         default=2048, metadata=_help("tokenize prompts longer than this off the event loop")
     )
-    log_prompts: bool = dataclasses.field(default=False, metadata=_help("write prompts to the log"))
+    log_prompts: bool = dataclasses.field(
+        default=False,
+        metadata=_help("write prompt texts to the log (at info); when off, no prompt text or token id is logged"),
+    )
+    api_keys: str = dataclasses.field(
+        default="",
+        metadata=_help(
+            "comma-separated API keys; when set, every route but /health, /ready, /metrics and /openapi.json "
+            "needs `Authorization: Bearer <key>`; prefer the variable (flags show in `ps`)"
+        ),
+    )
+    admin_key: str = dataclasses.field(
+        default="", metadata=_help("key for /v1/admin/* (and every other route); unset with --api-keys = admin routes closed")
+    )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -149,6 +199,25 @@ class WorkerSettings(CommonSettings):
     metrics_port: int = dataclasses.field(default=0, metadata=_help("port of /metrics; 0 = any free port"))
     drain_grace_s: float = dataclasses.field(
         default=30.0, metadata=_help("on SIGTERM, how long in-flight requests may take to finish")
+    )
+    max_loras: int = dataclasses.field(
+        default=0, metadata=_help("vllm: LoRA adapters one engine step can mix; 0 = LoRA off (faster start)")
+    )
+    max_lora_rank: int = dataclasses.field(
+        default=16, metadata=_help("vllm: largest LoRA rank an adapter may have (8, 16, 32, 64, ...)")
+    )
+    # ---- batch work (workers/pool_consumer.py)
+    pool: bool = dataclasses.field(
+        default=True, metadata=_help("take batch work from ferry.pool.<model> when there is spare capacity")
+    )
+    pool_max_inflight: int = dataclasses.field(
+        default=32, metadata=_help("most batch sequences this worker runs at once")
+    )
+    pool_max_kv_usage: float = dataclasses.field(
+        default=0.8, metadata=_help("take no batch work while KV usage is at least this")
+    )
+    pool_session_timeout_s: float = dataclasses.field(
+        default=6.0, metadata=_help("a worker silent for this long loses its batch partitions to the others")
     )
 
 
@@ -246,6 +315,9 @@ class StackSettings:
     kv_events: bool = dataclasses.field(
         default=True, metadata=_help("kv: use KV events (--no-kv-events: approximate from routing decisions)")
     )
+    inflight_overlap: bool = dataclasses.field(
+        default=True, metadata=_help("kv: count blocks of in-flight sequences as held by their worker")
+    )
     overlap_weight: float = dataclasses.field(default=1.0, metadata=_help("kv: weight of prefill work"))
     router_temperature: float = dataclasses.field(default=0.0, metadata=_help("kv: softmax temperature"))
     speedup: float = dataclasses.field(default=1.0, metadata=_help("sim: divide simulated step time by this"))
@@ -286,5 +358,29 @@ def markdown_tables() -> str:
     return "\n".join(out)
 
 
+def rewrite_tables(doc: str) -> str:
+    """`doc` with its settings tables (first section title through the last table row) regenerated."""
+    tables = markdown_tables().rstrip("\n")
+    first, last = tables.splitlines()[0], "### `ferry up`"
+    start = doc.index(first)
+    end = doc.index(last, start)
+    lines = doc[end:].splitlines(keepends=True)
+    i = 1
+    while i < len(lines) and (not lines[i].strip() or lines[i].startswith("|")):
+        if not lines[i].strip() and i > 2 and lines[i - 1].startswith("|"):
+            break
+        i += 1
+    return doc[:start] + tables + "\n" + "".join(lines[i:])
+
+
 if __name__ == "__main__":
-    print(markdown_tables())
+    import sys
+
+    if sys.argv[1:2] == ["--write"]:
+        path = sys.argv[2]
+        with open(path) as f:
+            text = rewrite_tables(f.read())
+        with open(path, "w") as f:
+            f.write(text)
+    else:
+        print(markdown_tables())

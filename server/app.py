@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -34,11 +35,13 @@ from schemas.openai import (
     json_encoder,
 )
 from schemas.settings import FrontendSettings
+from server.auth import APIKeyAuth, parse_keys
 from server.errors import APIError, from_validation_error, model_not_found
 from server.generation import Generation, Services, new_id
 from server.kafka_io import Dispatcher, ReplyDemux
 from server.metrics import FrontendMetrics
 from server.model_files import ModelFiles
+from server.openapi import document_bytes
 from server.pool import WorkerPool
 from server.preprocess import Preprocessor
 from server.responses import (
@@ -73,6 +76,7 @@ class Frontend:
             busy_waiting=settings.busy_waiting,
             kv_events=settings.kv_events,
             approx_ttl_s=settings.approx_ttl_s,
+            inflight_overlap=settings.inflight_overlap,
         )
         self.started = int(time.time())
         self.inflight = 0
@@ -195,7 +199,7 @@ class Frontend:
 def _decode(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
     try:
         return decoder.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise from_validation_error(exc) from None
 
 
@@ -277,7 +281,7 @@ async def chat_completions(fe: Frontend, request: Request) -> Response:
     with fe.metrics.tokenize_seconds.time():
         prepared = await fe.pre.chat(req, max_len)
     if fe.settings.log_prompts:
-        log.info("chat prompt: %r", prepared.prompt_texts[0])
+        log.info("chat prompt: %r", prepared.prompt_texts[0])  # only when asked: prompts are private
     gen = await _start(fe, req.model, prepared, "chatcmpl")
     if prepared.stream:
         return SSEResponse(chat_stream(gen, fe.fmt), _headers(gen))  # type: ignore[return-value]
@@ -296,6 +300,8 @@ async def completions(fe: Frontend, request: Request) -> Response:
     max_len = fe.max_model_len(req.model)
     with fe.metrics.tokenize_seconds.time():
         prepared = await fe.pre.completion(req, max_len)
+    if fe.settings.log_prompts:
+        log.info("completion prompts: %r", prepared.prompt_texts)  # only when asked: prompts are private
     gen = await _start(fe, req.model, prepared, "cmpl")
     if prepared.stream:
         return SSEResponse(completion_stream(gen, fe.fmt, req.echo), _headers(gen))  # type: ignore[return-value]
@@ -335,6 +341,11 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(fe.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+async def openapi_json(request: Request) -> Response:
+    """GET /openapi.json: the API's OpenAPI 3.1 document, generated from the request and response Structs."""
+    return Response(request.app.state.openapi, media_type="application/json")
+
+
 async def not_found(request: Request, exc: Exception) -> Response:
     """Unknown paths get an OpenAI-style 404 too."""
     return APIError(404, f"Unknown path {request.url.path}", code="not_found").response()
@@ -345,9 +356,19 @@ async def method_not_allowed(request: Request, exc: Exception) -> Response:
     return APIError(405, f"Method {request.method} not allowed on {request.url.path}", code="method_not_allowed").response()
 
 
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """A bug still answers in OpenAI's shape (Starlette logs the traceback after this response)."""
+    return APIError(500, "The server had an error while processing your request.", code="internal_error").response()
+
+
 def create_app(settings: FrontendSettings) -> Starlette:
     """The ASGI app of one frontend."""
     fe = Frontend(settings)
+    api_keys = parse_keys(settings.api_keys)
+    if not api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without API keys: anyone who can reach it may use it", settings.host)
+    if api_keys and not settings.admin_key:
+        log.info("API keys set but no admin key: /v1/admin/* is closed to every caller")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -362,9 +383,12 @@ def create_app(settings: FrontendSettings) -> Starlette:
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/openapi.json", openapi_json, methods=["GET"]),
         ],
         lifespan=lifespan,
-        exception_handlers={404: not_found, 405: method_not_allowed},
+        exception_handlers={404: not_found, 405: method_not_allowed, Exception: internal_error},
+        middleware=[Middleware(APIKeyAuth, api_keys=api_keys, admin_key=settings.admin_key)],
     )
     app.state.frontend = fe
+    app.state.openapi = document_bytes(settings.served_model_name, bool(api_keys or settings.admin_key))
     return app

@@ -54,8 +54,23 @@ class WorkerPool:
             await asyncio.gather(self._task, return_exceptions=True)
 
     def live(self, model: str) -> list[WorkerStatus]:
-        """Workers of `model` that take new requests."""
-        return [w for w in self.workers.values() if w.model == model and not w.draining]
+        """Workers that take new requests for `model`: a base model, or a LoRA adapter they hold."""
+        return [
+            w
+            for w in self.workers.values()
+            if not w.draining and (w.model == model or model in w.lora_adapters)
+        ]
+
+    def adapters(self) -> dict[str, tuple[str, int]]:
+        """LoRA adapters of live workers: name -> (base model, smallest context length among them)."""
+        out: dict[str, tuple[str, int]] = {}
+        for w in self.workers.values():
+            if w.draining:
+                continue
+            for name in w.lora_adapters:
+                _, known = out.get(name, (w.model, w.max_model_len))
+                out[name] = (w.model, min(known, w.max_model_len))
+        return out
 
     def models(self) -> dict[str, int]:
         """Served models and the smallest context length among their workers."""

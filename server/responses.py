@@ -52,11 +52,15 @@ def _finish(reason: str | None) -> str | None:
 
 def total_usage(gen: Generation, states: dict[int, ChoiceState]) -> Usage:
     """Usage of a whole request: each prompt counted once, completions summed."""
-    n = gen.prepared.n
-    prompt = sum(len(p) for p in gen.prepared.prompts)
+    return usage_of([len(p) for p in gen.prepared.prompts], gen.prepared.n, states)
+
+
+def usage_of(prompt_lens: list[int], n: int, states: dict[int, ChoiceState]) -> Usage:
+    """Usage from each prompt's length and every choice's final usage (choice = prompt index * n + c)."""
+    prompt = sum(prompt_lens)
     completion = sum(s.usage.completion_tokens for s in states.values() if s.usage)
     cached = 0
-    for pi in range(len(gen.prepared.prompts)):
+    for pi in range(len(prompt_lens)):
         cached += max(
             (states[c].usage.cached_tokens for c in range(pi * n, (pi + 1) * n) if states[c].usage),  # type: ignore[union-attr]
             default=0,
@@ -190,6 +194,20 @@ async def chat_stream(gen: Generation, fmt: LogprobFormatter) -> AsyncIterator[b
         await gen.close()
 
 
+def absorb(state: ChoiceState, chunks: list[Chunk]) -> ErrorInfo | None:
+    """Add a choice's chunks to what it has produced; returns the error that ended it, if one did."""
+    for c in chunks:
+        if c.finish_reason is not None:
+            state.finish_reason = c.finish_reason
+        if c.usage is not None:
+            state.usage = c.usage
+        if c.error is not None:
+            return c.error
+        state.text.append(c.text)
+        state.logprobs.extend(c.logprobs)
+    return None
+
+
 async def collect(gen: Generation) -> dict[int, ChoiceState]:
     """Every choice's whole output; raises APIError if a sequence failed."""
     total = len(gen.prepared.prompts) * gen.prepared.n
@@ -198,28 +216,36 @@ async def collect(gen: Generation) -> dict[int, ChoiceState]:
         for choice, chunks in _group(batch).items():
             state = states[choice]
             _record(gen, state, chunks)
-            for c in chunks:
-                if c.error is not None:
-                    raise error_status(c.error)
-                state.text.append(c.text)
-                state.logprobs.extend(c.logprobs)
+            error = absorb(state, chunks)
+            if error is not None:
+                raise error_status(error)
     return states
 
 
 async def chat_full(gen: Generation, fmt: LogprobFormatter) -> ChatCompletion:
     """A whole `chat.completion`."""
     states = await collect(gen)
+    p = gen.prepared
+    return chat_completion(gen.id, gen.created, gen.model, states, fmt, p.sampling.logprobs is not None,
+                           [len(x) for x in p.prompts], p.n)
+
+
+def chat_completion(
+    rid: str, created: int, model: str, states: dict[int, ChoiceState], fmt: LogprobFormatter, logprobs: bool,
+    prompt_lens: list[int], n: int,
+) -> ChatCompletion:
+    """The `chat.completion` body of finished choices (also what a batch item's output line carries)."""
     choices = [
         ChatChoice(
             index=c,
             message=AssistantMessage("assistant", "".join(s.text)),
-            logprobs=fmt.chat(s.logprobs) if gen.prepared.sampling.logprobs is not None else None,
+            logprobs=fmt.chat(s.logprobs) if logprobs else None,
             finish_reason=_finish(s.finish_reason),
         )
         for c, s in sorted(states.items())
     ]
-    return ChatCompletion(id=gen.id, created=gen.created, model=gen.model, choices=choices,
-                          usage=total_usage(gen, states))
+    return ChatCompletion(id=rid, created=created, model=model, choices=choices,
+                          usage=usage_of(prompt_lens, n, states))
 
 
 # ---- text completions ----------------------------------------------------------------------------
@@ -268,10 +294,19 @@ async def completion_full(gen: Generation, fmt: LogprobFormatter, echo: bool) ->
     """A whole `text_completion`."""
     p = gen.prepared
     states = await collect(gen)
+    return text_completion(gen.id, gen.created, gen.model, states, fmt, p.sampling.logprobs is not None,
+                           [len(x) for x in p.prompts], p.n, p.prompt_texts if echo else None)
+
+
+def text_completion(
+    rid: str, created: int, model: str, states: dict[int, ChoiceState], fmt: LogprobFormatter, logprobs: bool,
+    prompt_lens: list[int], n: int, echo_texts: list[str] | None,
+) -> Completion:
+    """The `text_completion` body of finished choices; `echo_texts` puts each prompt in front."""
     choices = []
     for c, s in sorted(states.items()):
-        prefix = p.prompt_texts[c // p.n] if echo else ""
-        logprobs = fmt.completion(s.logprobs, len(prefix)) if p.sampling.logprobs is not None else None
-        choices.append(CompletionChoice(c, prefix + "".join(s.text), logprobs, _finish(s.finish_reason)))
-    return Completion(id=gen.id, created=gen.created, model=gen.model, choices=choices,
-                      usage=total_usage(gen, states))
+        prefix = echo_texts[c // n] if echo_texts else ""
+        lps = fmt.completion(s.logprobs, len(prefix)) if logprobs else None
+        choices.append(CompletionChoice(c, prefix + "".join(s.text), lps, _finish(s.finish_reason)))
+    return Completion(id=rid, created=created, model=model, choices=choices,
+                      usage=usage_of(prompt_lens, n, states))

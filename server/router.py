@@ -146,11 +146,16 @@ class Router:
         elif self.policy == "least_loaded":
             w = self._least_loaded(candidates)
         else:
-            chain = prompt.chain(model, block_size)
-            overlaps = await self._overlaps(model, chain)
+            # A request names a LoRA adapter as its model (workers report their base model): its blocks
+            # live in the base model's index, in chains salted with the adapter, apart from the base's.
+            base = candidates[0].model
+            if model != base and prompt.lora_name is None:
+                prompt.lora_name = model
+            chain = prompt.chain(base, block_size)
+            overlaps = await self._overlaps(base, chain)
             w, overlap = self._cheapest(candidates, overlaps, len(prompt.tokens), prompt_blocks, chain)
             if self.approx is not None:
-                self.approx.record(model, w.worker_id, chain)
+                self.approx.record(base, w.worker_id, chain)
         self._metrics.router_decision_seconds.observe(time.perf_counter() - t0)
         self._metrics.router_decisions.labels(self.policy, w.worker_id).inc()
         self._metrics.predicted_cached_tokens.inc(overlap * block_size)

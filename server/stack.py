@@ -48,6 +48,7 @@ def _frontend_argv(s: StackSettings, kafka: str, redis: str, port: int) -> list[
         "--served-model-name", s.served_model_name,
         "--router-policy", s.router_policy,
         "--kv-events" if s.kv_events else "--no-kv-events",
+        "--inflight-overlap" if s.inflight_overlap else "--no-inflight-overlap",
         "--overlap-weight", str(s.overlap_weight),
         "--router-temperature", str(s.router_temperature),
         "--heartbeat-interval-s", str(s.heartbeat_interval_s),

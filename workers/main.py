@@ -31,6 +31,8 @@ def build_engine(settings: WorkerSettings) -> Engine:
             max_num_batched_tokens=settings.max_num_batched_tokens,
             kv_cache_gib=settings.kv_cache_gib,
             kv_events_port=settings.kv_events_port,
+            max_loras=settings.max_loras,
+            max_lora_rank=settings.max_lora_rank,
         )
         return VLLMEngine(settings.served_model_name, settings.model_path, vllm_config)
 

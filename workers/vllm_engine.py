@@ -24,18 +24,20 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 import zmq
 import zmq.asyncio
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.config import KVEventsConfig, VllmConfig
+from vllm.config.lora import MaxLoRARanks
 from vllm.distributed.kv_events import KVEventBatch as VllmKVEventBatch
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import tokens_input
 from vllm.logprobs import Logprob
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -49,6 +51,7 @@ from schemas.kv_events import KVEventBatch
 from workers.detok import Detokenizer
 from workers.engine import EngineDead, EngineError, EngineLifecycle, EngineOutput, EngineStats
 from workers.kv_bridge import KVBridge
+from workers.lora import adapter_of, adapter_rank
 from workers.model_dir import ModelInfo, load_model_info
 
 logger = logging.getLogger(__name__)
@@ -87,6 +90,10 @@ class VLLMConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_events_port: int = 0
     # KV-event batches kept for a slow reader before it is resynchronised with a snapshot.
     max_pending_kv_batches: int = 1024
+    # LoRA adapters one engine step may mix; 0 keeps vLLM's LoRA support off.
+    max_loras: int = 0
+    # The largest adapter rank vLLM reserves room for (one of vLLM's allowed ranks).
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         positive = (
@@ -103,6 +110,10 @@ class VLLMConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("kv_cache_gib must be positive")
         if not 0 <= self.kv_events_port < 65536:
             raise ValueError("kv_events_port must be a port number or 0")
+        if self.max_loras < 0:
+            raise ValueError("max_loras must be 0 (LoRA off) or positive")
+        if self.max_lora_rank not in get_args(MaxLoRARanks):
+            raise ValueError(f"max_lora_rank must be one of {get_args(MaxLoRARanks)}")
 
 
 class _SchedulerStatsRecorder(StatLoggerBase):
@@ -197,6 +208,10 @@ class VLLMEngine(EngineLifecycle):
         self.max_model_len = self.config.max_model_len
         self._vocab_size = 0
         self.start_seconds = 0.0
+        # Loaded LoRA adapters by name. Each request carries its adapter's path too, so vLLM reloads
+        # an adapter its cache evicted (more adapters than slots) instead of failing the request.
+        self._loras: dict[str, LoRARequest] = {}
+        self._next_lora_id = 1
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -268,6 +283,7 @@ class VLLMEngine(EngineLifecycle):
             seed=cfg.seed,
             # Only our recorder: vLLM's default loggers would print and register Prometheus metrics.
             disable_log_stats=True,
+            **self._lora_args(),
             kv_events_config=KVEventsConfig(
                 enable_kv_cache_events=True,
                 publisher="zmq",
@@ -275,6 +291,12 @@ class VLLMEngine(EngineLifecycle):
                 topic=_KV_TOPIC,
             ),
         )
+
+    def _lora_args(self) -> dict[str, Any]:
+        cfg = self.config
+        if not cfg.max_loras:
+            return {}
+        return {"enable_lora": True, "max_loras": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank}
 
     async def stop(self) -> None:
         """Abort every request, shut vLLM down, and end the KV-event stream."""
@@ -312,7 +334,7 @@ class VLLMEngine(EngineLifecycle):
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[EngineOutput]:
         """Queue one sequence now and return its stream of deltas; closing the stream aborts it."""
-        llm = self._validate(request)
+        llm, lora = self._validate(request)
         params = self._sampling_params(request)
         assert self._info is not None
         prior = request.generated_token_ids
@@ -331,7 +353,7 @@ class VLLMEngine(EngineLifecycle):
         prompt = tokens_input([*request.prompt_token_ids, *prior])
         priority = request.priority if self.config.scheduling_policy == "priority" else 0
         live.added = asyncio.create_task(
-            llm.add_request(request.request_id, prompt, params, priority=priority),
+            llm.add_request(request.request_id, prompt, params, lora_request=lora, priority=priority),
             name=f"vllm-add:{request.request_id}",
         )
         live.added.add_done_callback(_note_add_failure)
@@ -366,7 +388,7 @@ class VLLMEngine(EngineLifecycle):
             max_model_len=self.max_model_len,
         )
 
-    def _validate(self, request: GenerateRequest) -> AsyncLLM:
+    def _validate(self, request: GenerateRequest) -> tuple[AsyncLLM, LoRARequest | None]:
         if self._dead is not None:
             raise EngineDead(self._dead)
         llm = self._llm
@@ -376,8 +398,13 @@ class VLLMEngine(EngineLifecycle):
             raise EngineDead("vLLM engine is dead")
         if request.request_id in self._live:
             raise EngineError("duplicate_request", f"request {request.request_id!r} is already running")
-        if request.lora_name is not None:
-            raise EngineError("lora_not_supported", "this worker serves no LoRA adapters")
+        adapter = adapter_of(request, self.model)
+        lora = None
+        if adapter is not None:
+            lora = self._loras.get(adapter)
+            if lora is None:
+                # The router's view of the adapters is a heartbeat old: another worker may hold it.
+                raise EngineError("lora_not_found", f"this worker holds no LoRA adapter {adapter!r}", retriable=True)
         if not request.prompt_token_ids:
             raise EngineError("invalid_request", "the prompt is empty")
         if request.max_tokens < 1:
@@ -391,7 +418,7 @@ class VLLMEngine(EngineLifecycle):
         ids = [*request.prompt_token_ids, *request.generated_token_ids]
         if min(ids) < 0 or max(ids) >= self._vocab_size:
             raise EngineError("invalid_request", f"token ids must lie in [0, {self._vocab_size})")
-        return llm
+        return llm, lora
 
     def _sampling_params(self, request: GenerateRequest) -> VllmSamplingParams:
         s = request.sampling
@@ -536,6 +563,55 @@ class VLLMEngine(EngineLifecycle):
             await llm.abort(live.added.result().request_id, internal=True)
         except Exception as e:
             logger.debug("abort of %s failed: %r", live.request.request_id, e)
+
+    # -- LoRA adapters ---------------------------------------------------------------------
+
+    def lora_adapters(self) -> list[str]:
+        """Names of the loaded adapters, which requests select as their model."""
+        return sorted(self._loras)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load adapter `name` from directory `path` into vLLM; loading the same path again is a no-op."""
+        llm = self._running_llm()
+        if not self.config.max_loras:
+            raise EngineError("lora_not_supported", "LoRA is off on this worker (start it with --max-loras N)")
+        if name == self.model:
+            raise EngineError("lora_invalid", f"an adapter cannot take the base model's name {name!r}")
+        known = self._loras.get(name)
+        if known is not None:
+            if known.lora_path == path:
+                return
+            raise EngineError("lora_exists", f"adapter {name!r} is already loaded from {known.lora_path!r}")
+        # Checked here for a clear error; vLLM would otherwise fail later with a less helpful one.
+        await asyncio.to_thread(adapter_rank, path, self.config.max_lora_rank)
+        request = LoRARequest(lora_name=name, lora_int_id=self._next_lora_id, lora_path=path)
+        self._next_lora_id += 1
+        try:
+            await llm.add_lora(request)
+        except EngineDeadError as e:
+            raise EngineDead("vLLM engine died") from e
+        except Exception as e:
+            raise EngineError("lora_invalid", f"vLLM could not load adapter {name!r}: {e}") from e
+        self._loras[name] = request
+
+    async def unload_lora(self, name: str) -> None:
+        """Forget adapter `name`; requests already running with it finish with it."""
+        request = self._loras.pop(name, None)
+        if request is None:
+            raise EngineError("lora_not_found", f"this worker holds no LoRA adapter {name!r}")
+        llm = self._running_llm()
+        try:
+            await llm.remove_lora(request.lora_int_id)
+        except EngineDeadError as e:
+            raise EngineDead("vLLM engine died") from e
+
+    def _running_llm(self) -> AsyncLLM:
+        if self._dead is not None:
+            raise EngineDead(self._dead)
+        llm = self._llm
+        if self._stopped or llm is None or llm.errored:
+            raise EngineDead("engine is not running")
+        return llm
 
     # -- KV events -------------------------------------------------------------------------
 

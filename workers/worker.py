@@ -15,6 +15,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
+from kvstore.batch_store import BatchStore
 from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
 from schemas.kafka import (
@@ -23,15 +24,20 @@ from schemas.kafka import (
     ChunkUsage,
     ErrorInfo,
     GenerateRequest,
+    LoadLora,
+    LoraAck,
+    UnloadLora,
     request_decoder,
     request_encoder,
 )
-from schemas.names import RedisKeys, request_topic
+from schemas.names import RedisKeys, pool_topic, request_topic
 from schemas.settings import WorkerSettings
 from schemas.status import WorkerStatus
 from workers.engine import Engine, EngineDead, EngineError
 from workers.kv_publisher import KVPublisher
+from workers.lora import LoraControl, adapters_of
 from workers.metrics import WorkerMetrics
+from workers.pool_consumer import PoolConsumer
 
 log = logging.getLogger("ferry.worker")
 
@@ -72,6 +78,11 @@ class Worker:
         self._fatal: BaseException | None = None
         self._fatal_event = asyncio.Event()
         self.ready = asyncio.Event()  # set once registered and consuming
+        # LoRA load/unload from frontends (workers/lora.py); answers go to the asking frontend's topic.
+        self.lora = LoraControl(engine, settings.worker_id, self._heartbeat_once, self._send_ack)
+        # What requests cut short by _fail_all tell their clients.
+        self._stop_error = ErrorInfo("worker_stopped", "worker stopped before finishing", retriable=True)
+        self.pool: PoolConsumer | None = None  # batch work (workers/pool_consumer.py), unless --no-pool
         # One sender keeps every request's chunks in order and pushes back on the engine when Kafka lags.
         self._outbox: asyncio.Queue[tuple[str, bytes, bytes]] = asyncio.Queue(maxsize=4096)
 
@@ -98,6 +109,10 @@ class Worker:
         await self._producer.start()
         await consumer.start()
         consumer.assign([TopicPartition(self.topic, 0)])
+        if s.pool:
+            await ensure_topic(s.kafka, pool_topic(s.served_model_name), s.pool_partitions)
+            self.pool = PoolConsumer(s, self, BatchStore(redis, RedisKeys(s.redis_prefix)), self.metrics.registry)
+            await self.pool.start()
         tasks: list[asyncio.Task[None]] = []
         try:
             # A previous process under this id may have left index entries its cache no longer backs.
@@ -118,6 +133,8 @@ class Worker:
                 asyncio.create_task(self._guard("health", self._health_loop())),
                 asyncio.create_task(self._guard("kv-events", self._drain_kv_events())),
             ]
+            if self.pool is not None:
+                tasks.append(asyncio.create_task(self._guard("pool", self.pool.run())))
             fatal = asyncio.create_task(self._fatal_event.wait())
             stop = asyncio.create_task(shutdown.wait())
             await asyncio.wait([stop, fatal], return_when=asyncio.FIRST_COMPLETED)
@@ -145,10 +162,14 @@ class Worker:
                     await asyncio.wait_for(self._outbox.join(), timeout=5.0)
                 sender.cancel()
                 await asyncio.gather(sender, return_exceptions=True)
+            if self.pool is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.pool.close(commit=False))
             with contextlib.suppress(Exception):
                 await asyncio.shield(consumer.stop())
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._producer.stop())
+            await self.lora.close()
             with contextlib.suppress(Exception):
                 await self.engine.stop()
             with contextlib.suppress(Exception):
@@ -174,6 +195,8 @@ class Worker:
         """Leave routing at once, let in-flight requests finish within the grace period, commit."""
         s = self.settings
         self._draining = True
+        if self.pool is not None:
+            self.pool.stop_taking()
         # Heartbeats go on with draining=True: routers stop choosing us, while frontends still see us
         # alive and keep waiting for the requests we finish. We leave the registry only at the end.
         with contextlib.suppress(Exception):
@@ -189,6 +212,9 @@ class Worker:
         await self._flush()
         with contextlib.suppress(KafkaError):
             await asyncio.shield(consumer.commit())
+        if self.pool is not None:
+            # Commit finished batch items and leave the group: the others take our partitions at once.
+            await self.pool.close()
         await self._leave()
 
     async def _flush(self) -> None:
@@ -209,6 +235,7 @@ class Worker:
             log.warning("could not leave the registry (%r); it expires in %.1fs", exc, self._ttl_s())
 
     async def _fail_all(self, error: ErrorInfo) -> None:
+        self._stop_error = error
         for rid, task in list(self._inflight.items()):
             task.cancel()
             await self.engine.abort(rid)
@@ -251,12 +278,43 @@ class Worker:
                 if msg.request_id in self._inflight:
                     log.debug("cancel %s", msg.request_id)
                     await self.engine.abort(msg.request_id)
+            case LoadLora() | UnloadLora():
+                self.lora.submit(msg)
 
-    def _start(self, req: GenerateRequest) -> None:
+    def _start(self, req: GenerateRequest) -> asyncio.Task[None]:
         task = asyncio.create_task(self._serve(req), name=f"serve-{req.request_id}")
         self._inflight[req.request_id] = task
         self.idle.clear()
         task.add_done_callback(functools.partial(self._done, req.request_id))
+        return task
+
+    # ---- hooks for the pool consumer (workers/pool_consumer.py) --------------------------------
+
+    def start_request(self, req: GenerateRequest) -> asyncio.Task[None] | None:
+        """Serve a batch item's request like a routed one; None if it is already running here."""
+        if req.request_id in self._inflight:
+            return None
+        return self._start(req)
+
+    def running_task(self, request_id: str) -> asyncio.Task[None] | None:
+        """The task serving `request_id`, if it is running."""
+        return self._inflight.get(request_id)
+
+    async def flush_replies(self, timeout_s: float) -> bool:
+        """Wait until every reply chunk queued so far is acknowledged by the broker; False on timeout."""
+        assert self._producer is not None
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._outbox.join()
+                await self._producer.flush()
+        except (TimeoutError, KafkaError):
+            return False
+        return True
+
+    @property
+    def failed(self) -> bool:
+        """True once a fatal error stopped this worker."""
+        return self._fatal is not None
 
     def _done(self, request_id: str, _task: asyncio.Task[None]) -> None:
         self._inflight.pop(request_id, None)
@@ -309,7 +367,7 @@ class Worker:
                     req,
                     Chunk(
                         req.request_id, seq, finish_reason="error", worker_id=wid,
-                        error=ErrorInfo("worker_stopped", "worker stopped before finishing", retriable=True),
+                        error=self._stop_error,
                     ),
                 )
             )
@@ -344,6 +402,9 @@ class Worker:
     async def _send(self, req: GenerateRequest, chunk: Chunk) -> None:
         """Queue one chunk for the request's reply topic (waits while the outbox is full)."""
         await self._outbox.put(self._encode(req, chunk))
+
+    async def _send_ack(self, topic: str, ack: LoraAck) -> None:
+        await self._outbox.put((topic, ack.op_id.encode(), request_encoder.encode(ack)))
 
     async def _send_loop(self) -> None:
         assert self._producer is not None
@@ -390,11 +451,14 @@ class Worker:
             kv_usage=st.kv_usage,
             prefix_hit_rate=st.prefix_hit_rate,
             draining=self._draining,
+            lora_adapters=adapters_of(self.engine),
             metrics_url=self._metrics_url,
         )
 
     async def _heartbeat_once(self) -> None:
         assert self._registry is not None
+        if self._fatal is not None:
+            return  # leaving: a heartbeat now would register a worker that can no longer serve
         status = self.status()
         self.metrics.observe(self.engine.stats(), len(self._inflight))
         await asyncio.shield(self._registry.publish(status, self._ttl_s()))

@@ -1,0 +1,370 @@
+"""Batch work for a worker: a consumer-group member of `ferry.pool.<model>` that fills spare capacity.
+
+Every worker of a model reads the pool topic as one consumer group, so each item goes to one of
+them. A worker fetches only while its engine has room: nothing waiting, KV usage under a limit, and
+fewer than `--pool-max-inflight` batch sequences of its own; otherwise its partitions are paused
+(paused partitions drop what was prefetched, so nothing is taken that cannot start now). Batch
+items carry a low engine priority, so interactive requests that arrive later still run first.
+
+Items run through the worker's ordinary request path, so their chunks go to the batch results topic
+like any reply. An item's offset is committed only after its last chunk has been acknowledged by
+the broker; an item that was interrupted (worker stopping, engine dead) is never marked done, so
+whoever owns the partition next runs it again. Delivery is therefore at least once; the batch
+coordinator keeps one result per item.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+from aiokafka.errors import KafkaError
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from kvstore.batch_store import BatchStore
+from schemas.kafka import GenerateRequest, PoolItem, pool_decoder
+from schemas.names import pool_group, pool_topic
+from schemas.settings import WorkerSettings
+from workers.engine import Engine
+
+log = logging.getLogger("ferry.worker.pool")
+
+# How long a cancelled or expired batch is remembered by workers.
+_STOPPED_HORIZON_S = 7 * 24 * 3600.0
+
+
+class PoolHost(Protocol):
+    """What the pool consumer needs from its worker."""
+
+    engine: Engine
+
+    def start_request(self, req: GenerateRequest) -> asyncio.Task[None] | None:
+        """Run one request like one from the worker's own topic; None if it is already running."""
+        ...
+
+    def running_task(self, request_id: str) -> asyncio.Task[None] | None:
+        """The task serving `request_id`, if it is running."""
+        ...
+
+    async def flush_replies(self, timeout_s: float) -> bool:
+        """Wait until every queued reply chunk is acknowledged; False if that did not happen in time."""
+        ...
+
+    @property
+    def failed(self) -> bool:
+        """True once the worker hit a fatal error (nothing it finishes now counts)."""
+        ...
+
+
+class PartitionTrack:
+    """Offsets taken from one partition and whether each item is done; gives the offset to commit."""
+
+    def __init__(self) -> None:
+        self.offsets: OrderedDict[int, bool] = OrderedDict()
+        self.next_offset: int | None = None
+        self.committed: int | None = None
+
+    def take(self, offset: int) -> None:
+        """Note an offset fetched (offsets of one partition arrive in increasing order)."""
+        self.offsets.setdefault(offset, False)
+        self.next_offset = max(self.next_offset or 0, offset + 1)
+
+    def done(self, offset: int) -> None:
+        """The item at `offset` has its result sent."""
+        if offset in self.offsets:
+            self.offsets[offset] = True
+
+    def commit_point(self) -> int | None:
+        """The first offset not yet done (everything before it is), if it moved past what is committed."""
+        while self.offsets:
+            offset, done = next(iter(self.offsets.items()))
+            if not done:
+                point = offset
+                break
+            self.offsets.popitem(last=False)
+        else:
+            point = self.next_offset  # type: ignore[assignment]
+        if point is None or (self.committed is not None and point <= self.committed):
+            return None
+        return point
+
+
+@dataclass
+class _ItemRun:
+    item: PoolItem
+    tasks: list[asyncio.Task[None]]
+    places: list[tuple[PartitionTrack, int]] = field(default_factory=list)
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, owner: PoolConsumer) -> None:
+        self.owner = owner
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        await self.owner._on_revoked(revoked)
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        self.owner._on_assigned(assigned)
+
+
+class PoolMetrics:
+    """Batch-work metrics, in the worker's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.items = Counter(
+            "ferry_worker_pool_items", "Batch items taken from the pool by outcome", ["outcome"], registry=registry
+        )
+        self.inflight = Gauge("ferry_worker_pool_inflight", "Batch sequences running", registry=registry)
+        self.paused = Gauge("ferry_worker_pool_paused", "1 while the pool is paused for lack of room", registry=registry)
+        self.commits = Counter("ferry_worker_pool_commits", "Offset commits of pool partitions", registry=registry)
+
+
+class PoolConsumer:
+    """One worker's membership in its model's pool consumer group."""
+
+    def __init__(
+        self, settings: WorkerSettings, host: PoolHost, store: BatchStore, registry: CollectorRegistry
+    ) -> None:
+        self.settings = settings
+        self.host = host
+        self.store = store
+        self.metrics = PoolMetrics(registry)
+        self.topic = pool_topic(settings.served_model_name)
+        self._consumer: AIOKafkaConsumer | None = None
+        self._tracks: dict[TopicPartition, PartitionTrack] = {}
+        self._runs: dict[str, _ItemRun] = {}
+        self._sequences = 0
+        self._stopped: set[str] = set()
+        self._taking = True
+        self._room = asyncio.Event()
+        self._commit_wanted = asyncio.Event()
+        self.joined = asyncio.Event()  # set once the group gave this worker its partitions
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Join the group (the topic is created by whoever needs it first)."""
+        s = self.settings
+        session_ms = int(s.pool_session_timeout_s * 1000)
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=s.kafka,
+            group_id=pool_group(s.served_model_name),
+            client_id=f"ferry-pool-{s.worker_id}",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            fetch_max_wait_ms=s.kafka_fetch_wait_ms,
+            session_timeout_ms=session_ms,
+            heartbeat_interval_ms=max(100, session_ms // 5),
+            # Adjacent partitions hold adjacent runs of a prefix-ordered batch: keep them on one worker.
+            partition_assignment_strategy=(RangePartitionAssignor,),
+        )
+        await self._consumer.start()
+        self._consumer.subscribe([self.topic], listener=_Rebalance(self))
+
+    async def run(self) -> None:
+        """Fetch items while there is room, until `stop_taking`; commits go on in the background."""
+        assert self._consumer is not None
+        consumer = self._consumer
+        committer = asyncio.create_task(self._commit_loop(), name="pool-commit")
+        watcher = asyncio.create_task(self._stopped_loop(), name="pool-stopped")
+        try:
+            while self._taking:
+                room = self._room_for()
+                self._set_paused(consumer, room <= 0)
+                try:
+                    batches = await consumer.getmany(timeout_ms=200 if room > 0 else 0, max_records=max(1, room))
+                except KafkaError as exc:
+                    log.warning("pool fetch failed: %r", exc)
+                    batches = {}
+                for tp, records in batches.items():
+                    track = self._tracks.get(tp)
+                    if track is None:  # revoked while the records were on their way
+                        continue
+                    for record in records:
+                        self._take(track, record.offset, record.value)
+                if room <= 0:
+                    # Room comes back when an item ends or the engine's load drops: check often.
+                    self._room.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(0.05):
+                            await self._room.wait()
+        finally:
+            committer.cancel()
+            watcher.cancel()
+            await asyncio.gather(committer, watcher, return_exceptions=True)
+
+    def stop_taking(self) -> None:
+        """Take no more items (drain): running ones finish through the worker's own drain."""
+        self._taking = False
+        self._room.set()
+
+    async def close(self, commit: bool = True) -> None:
+        """Commit what is done (unless the worker failed) and leave the group, which hands our partitions on."""
+        if self._consumer is None:
+            return
+        if commit and not self.host.failed:
+            await self._commit(force_flush=True)
+        with contextlib.suppress(Exception):
+            await self._consumer.stop()
+        self._consumer = None
+
+    # ---- taking items ----------------------------------------------------------------------------
+
+    def _room_for(self) -> int:
+        """How many more batch sequences this worker should take now."""
+        if not self._taking or self.host.failed:
+            return 0
+        st = self.host.engine.stats()
+        s = self.settings
+        if st.waiting > 0 or st.kv_usage >= s.pool_max_kv_usage:
+            return 0
+        return max(0, min(s.pool_max_inflight - self._sequences, s.max_num_seqs - st.running))
+
+    def _set_paused(self, consumer: AIOKafkaConsumer, pause: bool) -> None:
+        assigned = consumer.assignment()
+        if pause:
+            todo = [tp for tp in assigned if tp not in consumer.paused()]
+            if todo:
+                consumer.pause(*todo)
+        elif consumer.paused():
+            consumer.resume(*consumer.paused())
+        self.metrics.paused.set(1 if pause and assigned else 0)
+
+    def _take(self, track: PartitionTrack, offset: int, raw: bytes | None) -> None:
+        track.take(offset)
+        try:
+            item = pool_decoder.decode(raw or b"")
+        except Exception as exc:
+            log.error("dropping an undecodable pool message at offset %d: %r", offset, exc)
+            self.metrics.items.labels("undecodable").inc()
+            track.done(offset)
+            return
+        if item.batch_id and item.batch_id in self._stopped:
+            self.metrics.items.labels("stopped").inc()
+            track.done(offset)
+            return
+        deadlines = [r.deadline for r in item.requests if r.deadline]
+        if deadlines and min(deadlines) < time.time():
+            # The batch's window is over; the coordinator writes its `expired` line.
+            self.metrics.items.labels("expired").inc()
+            track.done(offset)
+            return
+        run = self._runs.get(item.item_id)
+        if run is not None:  # redelivered after a rebalance while still running here
+            run.places.append((track, offset))
+            return
+        tasks: list[asyncio.Task[None]] = []
+        for req in item.requests:
+            task = self.host.start_request(req) or self.host.running_task(req.request_id)
+            if task is not None:
+                tasks.append(task)
+        run = _ItemRun(item, tasks, [(track, offset)])
+        self._runs[item.item_id] = run
+        self._sequences += len(tasks)
+        self.metrics.inflight.set(self._sequences)
+        if not tasks:
+            self._finish(run)
+            return
+        remaining = [len(tasks)]
+
+        def one_done(_t: asyncio.Task[None]) -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                self._finish(run)
+
+        for t in tasks:
+            t.add_done_callback(one_done)
+
+    def _finish(self, run: _ItemRun) -> None:
+        self._runs.pop(run.item.item_id, None)
+        self._sequences -= len(run.tasks)
+        self.metrics.inflight.set(self._sequences)
+        interrupted = self.host.failed or any(t.cancelled() for t in run.tasks)
+        if interrupted:
+            # Not done: whoever owns the partition next runs it again.
+            self.metrics.items.labels("interrupted").inc()
+        else:
+            self.metrics.items.labels("done").inc()
+            for track, offset in run.places:
+                track.done(offset)
+            self._commit_wanted.set()
+        self._room.set()
+
+    # ---- stopped batches -------------------------------------------------------------------------
+
+    async def _stopped_loop(self) -> None:
+        while True:
+            try:
+                stopped = await self.store.stopped_since(time.time() - _STOPPED_HORIZON_S)
+            except Exception as exc:  # Redis down: keep what we knew, items just run
+                log.debug("could not read stopped batches: %r", exc)
+            else:
+                new = stopped - self._stopped
+                self._stopped = stopped
+                if new:
+                    await self._abort_batches(new)
+            await asyncio.sleep(self.settings.heartbeat_interval_s)  # polling period
+
+    async def _abort_batches(self, batch_ids: set[str]) -> None:
+        for run in list(self._runs.values()):
+            if run.item.batch_id in batch_ids:
+                for req in run.item.requests:
+                    await self.host.engine.abort(req.request_id)
+
+    # ---- commits ---------------------------------------------------------------------------------
+
+    async def _commit_loop(self) -> None:
+        while True:
+            await self._commit_wanted.wait()
+            self._commit_wanted.clear()
+            await self._commit()
+            # Batches commits: at most a few per second whatever the item rate.
+            await asyncio.sleep(0.2)
+
+    async def _commit(self, force_flush: bool = False, only: list[TopicPartition] | None = None) -> None:
+        consumer = self._consumer
+        if consumer is None:
+            return
+        points = {
+            tp: p
+            for tp, track in self._tracks.items()
+            if (only is None or tp in only) and (p := track.commit_point()) is not None
+        }
+        if not points:
+            return
+        # The points were taken before the flush, so every result they cover is on the broker after it.
+        if not await self.host.flush_replies(5.0 if force_flush else 2.0):
+            self._commit_wanted.set()
+            return
+        try:
+            await asyncio.shield(consumer.commit(points))
+        except KafkaError as exc:
+            log.info("pool commit failed (%r); the items will be retried from the last commit", exc)
+            return
+        self.metrics.commits.inc()
+        for tp, p in points.items():
+            track = self._tracks.get(tp)
+            if track is not None:
+                track.committed = p
+
+    async def _on_revoked(self, revoked: list[TopicPartition]) -> None:
+        await self._commit(only=list(revoked))
+        for tp in revoked:
+            self._tracks.pop(tp, None)
+        # Items from these partitions still running here finish; their next owner may run them too.
+
+    def _on_assigned(self, assigned: list[TopicPartition]) -> None:
+        for tp in assigned:
+            self._tracks[tp] = PartitionTrack()
+        log.info(
+            "worker %s takes batch work from %s partitions %s",
+            self.settings.worker_id, self.topic, sorted(tp.partition for tp in assigned),
+        )
+        self.joined.set()
