@@ -108,7 +108,7 @@ def find_gguf() -> Path:
     )
 
 
-def prepare_model(out_dir: Path, force: bool = False) -> Path:
+def prepare_model(out_dir: Path, force: bool = False, progress: bool = True) -> Path:
     """Build the default model into `out_dir` unless it is already complete; return `out_dir`."""
     out_dir = Path(out_dir).expanduser().absolute()
     if not force and is_complete(out_dir):
@@ -127,7 +127,7 @@ def prepare_model(out_dir: Path, force: bool = False) -> Path:
         work = Path(tempfile.mkdtemp(prefix=_partial_prefix(out_dir), dir=out_dir.parent))
         try:
             log.info("building %s from %s (%s) in %s", DEFAULT_MODEL_NAME, gguf, _SOURCE, work)
-            versions = _convert(gguf, work)
+            versions = _convert(gguf, work, progress)
             _check_output(work)
             _write_marker(work, versions)
             _seal_tree(work)
@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        path = prepare_model(args.out, force=args.force)
+        path = prepare_model(args.out, force=args.force, progress=not args.quiet)
     except ModelPrepareError as exc:
         log.error("%s", exc)
         return 1
@@ -214,7 +214,7 @@ def _remove_leftovers(out_dir: Path) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _convert(gguf: Path, work: Path) -> dict[str, str]:
+def _convert(gguf: Path, work: Path, progress: bool) -> dict[str, str]:
     """De-quantize the GGUF checkpoint into a Hugging Face directory at `work`; return the tool versions."""
     # Set before transformers imports huggingface_hub, which reads it once; local_files_only below covers
     # the case where something imported it earlier in this process.
@@ -225,6 +225,9 @@ def _convert(gguf: Path, work: Path) -> dict[str, str]:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
         raise ModelPrepareError(f"model preparation needs {exc.name}; run: {_PREPARE_HINT}") from exc
+    if not progress:
+        # `make test` builds the model with --quiet and must print nothing but the test summary.
+        transformers.utils.logging.disable_progress_bar()
 
     source_dir, gguf_name = str(gguf.parent), gguf.name
     phase = time.monotonic()

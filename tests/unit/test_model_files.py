@@ -262,8 +262,8 @@ def test_default_model_dir_follows_ferry_home(monkeypatch: pytest.MonkeyPatch, t
 # the directory bookkeeping around it, which the real conversion above already went through once.
 
 
-def _fake_convert(calls: list[Path]) -> Callable[[Path, Path], dict[str, str]]:
-    def convert(gguf: Path, work: Path) -> dict[str, str]:
+def _fake_convert(calls: list[Path]) -> Callable[[Path, Path, bool], dict[str, str]]:
+    def convert(gguf: Path, work: Path, progress: bool) -> dict[str, str]:
         calls.append(work)
         for name in REQUIRED_FILES:
             (work / name).write_text("{}", encoding="utf-8")
