@@ -304,7 +304,7 @@ def test_leftovers_of_a_killed_build_are_cleaned(monkeypatch: pytest.MonkeyPatch
     # A real crash: the child is SIGKILLed halfway through writing its temporary directory.
     crash = (
         "import os, signal, sys; from pathlib import Path; from server import model_prepare as mp\n"
-        "def convert(gguf, work):\n"
+        "def convert(gguf, work, progress):\n"
         "    (work / 'model.safetensors').write_bytes(b'half a file')\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "mp._convert = convert\n"
@@ -323,7 +323,7 @@ def test_leftovers_of_a_killed_build_are_cleaned(monkeypatch: pytest.MonkeyPatch
 
 
 def test_failed_build_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    def failing(gguf: Path, work: Path) -> dict[str, str]:
+    def failing(gguf: Path, work: Path, progress: bool) -> dict[str, str]:
         (work / "model.safetensors").write_bytes(b"partial")
         raise RuntimeError("conversion failed")
 
