@@ -9,7 +9,7 @@ LOG    := $(VENV)/install.log
 FERRY  := $(VENV)/bin/ferry
 MODEL_STAMP := $(VENV)/.ferry-model
 
-.PHONY: run test lint setup model clean bench-overhead
+.PHONY: run test lint setup model clean bench-setup bench-overhead
 
 # The real model through the whole system: one vLLM worker on the CPU (block size: a multiple of 32).
 run: setup
@@ -49,7 +49,15 @@ $(MODEL_STAMP): $(STAMP)
 	@$(FERRY) model prepare --quiet
 	@touch $@
 
-bench-overhead: model
+# Benchmarks draw plots and can profile: their extra is installed only when asked for.
+BENCH_STAMP := $(VENV)/.ferry-bench
+bench-setup: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	@$(PY) -m pip install -e '.[bench]' >> $(LOG) 2>&1 || { tail -n 40 $(LOG); exit 1; }
+	@touch $@
+
+bench-overhead: model bench-setup
 	$(PY) -m bench.overhead $(ARGS)
 
 clean:
