@@ -34,7 +34,13 @@ _batch_doc = msgspec.json.Decoder(Batch)
 _errors = msgspec.json.Decoder(BatchErrors)
 
 _TIMESTAMPS = (
-    "in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at",
+    "in_progress_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
 )
 
 # KEYS: batch hash, done set, lines list. ARGV: item index, line, counter, input, cached, output tokens.
@@ -127,7 +133,9 @@ class BatchStore:
             removed, _ = await p.execute()
         return bool(removed)
 
-    async def list_files(self, after: str | None, limit: int, purpose: str | None = None) -> tuple[list[FileObject], bool]:
+    async def list_files(
+        self, after: str | None, limit: int, purpose: str | None = None
+    ) -> tuple[list[FileObject], bool]:
         """Files newest first, after the id `after`; and whether there are more."""
         ids = await self._page(self.keys.files(), after, limit if purpose is None else 10_000)
         metas = [m for m in await self._many_files(ids) if purpose is None or m.purpose == purpose]
@@ -154,7 +162,10 @@ class BatchStore:
     async def create_batch(self, batch: Batch) -> None:
         """Record a new batch (status `validating`) and make it visible to listing and sweeping."""
         async with self.redis.pipeline(transaction=True) as p:
-            p.hset(self.keys.batch(batch.id), mapping={"doc": _json.encode(batch), "status": batch.status})
+            p.hset(
+                self.keys.batch(batch.id),
+                mapping={"doc": _json.encode(batch), "status": batch.status, "expires_at": batch.expires_at},
+            )
             p.zadd(self.keys.batches(), {batch.id: batch.created_at + _tiebreak()})
             p.sadd(self.keys.batches_active(), batch.id)
             await p.execute()
@@ -188,7 +199,11 @@ class BatchStore:
         await self.redis.hset(self.keys.batch(batch_id), mapping=dict(values))  # type: ignore[arg-type]
 
     async def transition(
-        self, batch_id: str, allowed: Iterable[str], status: str, values: Mapping[str, str | int] | None = None
+        self,
+        batch_id: str,
+        allowed: Iterable[str],
+        status: str,
+        values: Mapping[str, str | int] | None = None,
     ) -> tuple[bool, str | None]:
         """Move a batch to `status` if its status is one of `allowed`; (moved, status before)."""
         args: list[str | int] = [",".join(allowed), status]
@@ -230,7 +245,9 @@ class BatchStore:
         key = self.keys.batch_items(batch_id)
         items = list(metas.items())
         for start in range(0, len(items), 1000):
-            await self.redis.hset(key, mapping={str(i): _msgpack.encode(m) for i, m in items[start : start + 1000]})
+            await self.redis.hset(
+                key, mapping={str(i): _msgpack.encode(m) for i, m in items[start : start + 1000]}
+            )
 
     async def item_metas(self, batch_id: str, indexes: list[int]) -> list[ItemMeta | None]:
         """Stored metadata of some items of a batch."""
@@ -242,13 +259,23 @@ class BatchStore:
         return {int(m) for m in await self.redis.smembers(self.keys.batch_done(batch_id))}
 
     async def record(
-        self, batch_id: str, index: int, line: bytes, ok: bool, input_tokens: int = 0, cached_tokens: int = 0,
+        self,
+        batch_id: str,
+        index: int,
+        line: bytes,
+        ok: bool,
+        input_tokens: int = 0,
+        cached_tokens: int = 0,
         output_tokens: int = 0,
     ) -> int:
         """Stage one item's line unless it has one already: -1 closed, -2 duplicate, 1 batch complete, else 0."""
         kind = "out" if ok else "err"
         res = await self._record(
-            keys=[self.keys.batch(batch_id), self.keys.batch_done(batch_id), self.keys.batch_lines(batch_id, kind)],
+            keys=[
+                self.keys.batch(batch_id),
+                self.keys.batch_done(batch_id),
+                self.keys.batch_lines(batch_id, kind),
+            ],
             args=[index, line, "completed" if ok else "failed", input_tokens, cached_tokens, output_tokens],
         )
         return int(res)
@@ -317,7 +344,9 @@ def _to_batch(raw: Mapping[Any, Any]) -> Batch:
     )
     inp, out = _int(f.get("input_tokens")), _int(f.get("output_tokens"))
     b.usage = BatchUsage(
-        input_tokens=inp, output_tokens=out, total_tokens=inp + out,
+        input_tokens=inp,
+        output_tokens=out,
+        total_tokens=inp + out,
         input_tokens_details=InputTokensDetails(cached_tokens=_int(f.get("cached_tokens"))),
     )
     return b

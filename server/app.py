@@ -35,7 +35,10 @@ from schemas.openai import (
     json_encoder,
 )
 from schemas.settings import FrontendSettings
+from schemas.status import WorkerStatus
 from server.auth import APIKeyAuth, parse_keys
+from server.batch.routes import routes as batch_routes
+from server.batch.service import BatchService
 from server.errors import APIError, from_validation_error, model_not_found
 from server.generation import Generation, Services, new_id
 from server.kafka_io import Dispatcher, ReplyDemux
@@ -370,9 +373,14 @@ def create_app(settings: FrontendSettings) -> Starlette:
     if api_keys and not settings.admin_key:
         log.info("API keys set but no admin key: /v1/admin/* is closed to every caller")
 
+    batch = BatchService(settings)  # the Files and Batches API (server/batch/)
+
+    def batch_workers() -> list[WorkerStatus]:
+        return fe.svc.pool.live(settings.served_model_name) if fe.svc else []
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with fe.running():
+        async with fe.running(), batch.running(fe.pre, fe.fmt, batch_workers):
             yield
 
     app = Starlette(
@@ -384,11 +392,13 @@ def create_app(settings: FrontendSettings) -> Starlette:
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
+            *batch_routes(),
         ],
         lifespan=lifespan,
         exception_handlers={404: not_found, 405: method_not_allowed, Exception: internal_error},
         middleware=[Middleware(APIKeyAuth, api_keys=api_keys, admin_key=settings.admin_key)],
     )
     app.state.frontend = fe
+    app.state.batch = batch
     app.state.openapi = document_bytes(settings.served_model_name, bool(api_keys or settings.admin_key))
     return app

@@ -64,7 +64,9 @@ def split_item_id(item: str) -> tuple[str, int] | None:
 class ItemPreparer:
     """Decodes, validates, templates and tokenizes batch request bodies for one model."""
 
-    def __init__(self, pre: Preprocessor, model: str, results_topic: str, priority: int, frontend_id: str) -> None:
+    def __init__(
+        self, pre: Preprocessor, model: str, results_topic: str, priority: int, frontend_id: str
+    ) -> None:
         self.pre = pre
         self.model = model
         self.results_topic = results_topic
@@ -72,8 +74,16 @@ class ItemPreparer:
         self.frontend_id = frontend_id
 
     async def prepare(
-        self, item: str, index: int, custom_id: str, endpoint: BatchEndpoint, body: bytes, max_model_len: int,
-        deadline: float, batch_id: str = "", reply_topic: str = "",
+        self,
+        item: str,
+        index: int,
+        custom_id: str,
+        endpoint: BatchEndpoint,
+        body: bytes,
+        max_model_len: int,
+        deadline: float,
+        batch_id: str = "",
+        reply_topic: str = "",
     ) -> PreparedItem:
         """The pool item for one request body; raises APIError exactly where the HTTP route would."""
         prepared, model, echo = await self._prepared(endpoint, body, max_model_len)
@@ -109,7 +119,9 @@ class ItemPreparer:
         message = request_encoder.encode(PoolItem(item_id=item, requests=requests, batch_id=batch_id))
         return PreparedItem(index, meta, prepared.prompts[0], message)
 
-    async def _prepared(self, endpoint: BatchEndpoint, body: bytes, max_model_len: int) -> tuple[Prepared, str, bool]:
+    async def _prepared(
+        self, endpoint: BatchEndpoint, body: bytes, max_model_len: int
+    ) -> tuple[Prepared, str, bool]:
         req: ChatCompletionRequest | CompletionRequest
         try:
             if endpoint == "/v1/chat/completions":
@@ -121,8 +133,12 @@ class ItemPreparer:
         if req.model != self.model:
             raise model_not_found(req.model)
         if req.stream:
-            raise APIError(400, "Streaming is not available in a batch; leave `stream` unset.", param="stream",
-                           code="invalid_value")
+            raise APIError(
+                400,
+                "Streaming is not available in a batch; leave `stream` unset.",
+                param="stream",
+                code="invalid_value",
+            )
         if isinstance(req, ChatCompletionRequest):
             return await self.pre.chat(req, max_model_len), req.model, False
         return await self.pre.completion(req, max_model_len), req.model, req.echo
@@ -151,5 +167,7 @@ def error_line(custom_id: str, err: APIError) -> bytes:
 
 def unrun_line(custom_id: str, code: str, message: str) -> bytes:
     """An error-file line for a request that never ran (expired window, cancelled batch)."""
-    line = OutputLine(id=new_request_id(), custom_id=custom_id, response=None, error=LineError(code=code, message=message))
+    line = OutputLine(
+        id=new_request_id(), custom_id=custom_id, response=None, error=LineError(code=code, message=message)
+    )
     return json_encoder.encode(line)

@@ -45,7 +45,9 @@ def plan(
     return [(index, i * partitions // n) for i, (index, _p) in enumerate(keyed)]
 
 
-def partition_for(prompt: Sequence[int], partitions: int, model: str, block_size: int, blocks: int = 4) -> int:
+def partition_for(
+    prompt: Sequence[int], partitions: int, model: str, block_size: int, blocks: int = 4
+) -> int:
     """Partition of a lone item (Kafka-native path): items sharing their first blocks share a partition."""
     hashes = block_hashes(prompt[: blocks * block_size], block_size, chain_seed(model))
     if not hashes:

@@ -1,0 +1,133 @@
+"""The Kafka-native batch path: items produced to `ferry.batch.submit.<model>`, results to a topic of the producer's.
+
+A service that already speaks Kafka produces one JSON `KafkaBatchItem` per request (an input-file line
+plus `reply_topic`). The frontends read the submit topic as one consumer group, prepare each item
+exactly as an uploaded line (same validation, template, tokenizer), store what its result line needs
+in Redis and put it on the pool topic; the offset is committed once the pool has the item. The result
+(an `OutputLine`, JSON, key = `custom_id`) goes to `reply_topic` once, whichever frontend collects it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import msgspec
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from kvstore.batch_store import BatchStore
+from schemas.batch import kafka_item_decoder
+from schemas.names import batch_submit_group, batch_submit_topic, pool_topic
+from schemas.status import WorkerStatus
+from server.batch.items import ItemPreparer, error_line
+from server.batch.ordering import partition_for
+from server.errors import APIError
+
+log = logging.getLogger("ferry.batch")
+
+# How long a Kafka-native item's metadata and its "result sent" mark are kept.
+ITEM_TTL_S = 7 * 24 * 3600
+
+
+def native_item_id(partition: int, offset: int, timestamp: int) -> str:
+    """Id of a Kafka-native item: stable across redeliveries of the same message."""
+    return f"kitem-{partition}-{offset}-{timestamp}"
+
+
+class KafkaIntake:
+    """One frontend's member of the submit topic's consumer group."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        model: str,
+        store: BatchStore,
+        preparer: ItemPreparer,
+        producer: AIOKafkaProducer,
+        live_workers: Callable[[], list[WorkerStatus]],
+        fetch_wait_ms: int,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.model = model
+        self.topic = batch_submit_topic(model)
+        self.store = store
+        self.preparer = preparer
+        self.producer = producer
+        self.live_workers = live_workers
+        self.fetch_wait_ms = fetch_wait_ms
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.items_taken = 0
+
+    async def start(self) -> None:
+        """Join the group and start taking items."""
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            group_id=batch_submit_group(self.model),
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            fetch_max_wait_ms=self.fetch_wait_ms,
+        )
+        await self._consumer.start()
+        self._consumer.subscribe([self.topic])
+        self._task = asyncio.create_task(self._run(), name="batch-intake")
+
+    async def stop(self) -> None:
+        """Leave the group; uncommitted items are taken by another frontend."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._consumer is not None:
+            with contextlib.suppress(Exception):
+                await self._consumer.stop()
+
+    async def _run(self) -> None:
+        assert self._consumer is not None
+        consumer = self._consumer
+        while True:
+            try:
+                if not self.live_workers():
+                    await asyncio.sleep(0.5)  # nothing can be prepared without a worker's context length
+                    continue
+                batches = await consumer.getmany(timeout_ms=200, max_records=256)
+                for tp, records in batches.items():
+                    for r in records:
+                        await self._take(tp.partition, r.offset, r.timestamp, r.value)
+                    await asyncio.shield(consumer.commit({tp: records[-1].offset + 1}))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # broker or Redis trouble: the uncommitted items are read again
+                log.warning("batch intake: %r; retrying", exc)
+                await asyncio.sleep(0.5)  # back-off before the next attempt
+
+    async def _take(self, partition: int, offset: int, timestamp: int, raw: bytes | None) -> None:
+        try:
+            msg = kafka_item_decoder.decode(raw or b"")
+        except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
+            log.error(
+                "dropping an invalid Kafka batch item at %s[%d]@%d: %s", self.topic, partition, offset, exc
+            )
+            return
+        workers = self.live_workers()
+        max_len = min(w.max_model_len for w in workers)
+        block_size = workers[0].block_size
+        item = native_item_id(partition, offset, timestamp)
+        try:
+            prepared = await self.preparer.prepare(
+                item, 0, msg.custom_id, msg.url, bytes(msg.body), max_len, 0.0, reply_topic=msg.reply_topic
+            )
+        except APIError as err:
+            if await self.store.claim_item(item, ITEM_TTL_S):
+                await self.producer.send_and_wait(
+                    msg.reply_topic, error_line(msg.custom_id, err), key=msg.custom_id.encode()
+                )
+            return
+        await self.store.put_item(item, prepared.meta, ITEM_TTL_S)
+        parts = await self.producer.partitions_for(pool_topic(self.model))
+        partition_out = partition_for(prepared.first_prompt, len(parts), self.model, block_size)
+        await self.producer.send_and_wait(
+            pool_topic(self.model), prepared.message, key=item.encode(), partition=partition_out
+        )
+        self.items_taken += 1

@@ -1,0 +1,228 @@
+"""Reads `ferry.batch.results.<model>`: turns each finished item's chunks into its one output line.
+
+The frontends of a model read the results topic as one consumer group. Offsets are committed only
+up to the first chunk of the oldest item still open, so a frontend that dies hands every unfinished
+item to the next one, which reads their chunks again. Lines are recorded through a Lua script that
+keeps the first line of each item (`kvstore/batch_store.py`), so reading a chunk twice, or an item
+running twice, still gives one line. Kafka-native items get their line produced to the topic their
+producer named instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
+
+from kvstore.batch_store import BatchStore
+from schemas.batch import ItemMeta
+from schemas.kafka import Chunk, reply_decoder
+from schemas.names import batch_results_group, batch_results_topic
+from server.batch.items import response_line, split_item_id, split_sequence_id, unrun_line
+from server.batch.lines import ItemChunks, build, sequences_of
+from server.responses import LogprobFormatter
+
+log = logging.getLogger("ferry.batch")
+
+# Items whose metadata is unknown here (another deployment's prefix, a forgotten item) are remembered
+# for a while so their chunks are dropped without asking Redis each time.
+_FOREIGN_MEMORY = 10_000
+# Open items of batches that ended are dropped after this long without news.
+_STALE_S = 60.0
+
+
+class ResultCollector:
+    """One frontend's member of the results consumer group."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        model: str,
+        store: BatchStore,
+        fmt: LogprobFormatter,
+        producer: AIOKafkaProducer,
+        fetch_wait_ms: int,
+        on_complete: Callable[[str], None],
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.topic = batch_results_topic(model)
+        self.group = batch_results_group(model)
+        self.store = store
+        self.fmt = fmt
+        self.producer = producer
+        self.fetch_wait_ms = fetch_wait_ms
+        self.on_complete = on_complete
+        self._open: dict[str, ItemChunks] = {}
+        self._metas: dict[str, ItemMeta] = {}
+        self._foreign: OrderedDict[str, None] = OrderedDict()
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._next: dict[TopicPartition, int] = {}
+        self.lines_recorded = 0
+
+    async def start(self) -> None:
+        """Join the group and start reading."""
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            group_id=self.group,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            fetch_max_wait_ms=self.fetch_wait_ms,
+            max_poll_records=2048,
+        )
+        await self._consumer.start()
+        self._consumer.subscribe([self.topic])
+        self._task = asyncio.create_task(self._run(), name="batch-results")
+
+    async def stop(self) -> None:
+        """Commit what is safe and leave the group (another frontend takes over at once)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._consumer is not None:
+            with contextlib.suppress(Exception):
+                await self._commit()
+            with contextlib.suppress(Exception):
+                await self._consumer.stop()
+
+    async def _run(self) -> None:
+        assert self._consumer is not None
+        last_commit = time.monotonic()
+        last_gc = time.monotonic()
+        while True:
+            try:
+                batches = await self._consumer.getmany(timeout_ms=200, max_records=2048)
+                for tp, records in batches.items():
+                    await self._handle(tp, [(r.offset, r.value) for r in records])
+                now = time.monotonic()
+                if now - last_commit > 0.5:
+                    await self._commit()
+                    last_commit = now
+                if now - last_gc > 10.0:
+                    await self._drop_stale()
+                    last_gc = now
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # broker or Redis trouble: the uncommitted chunks are read again
+                log.warning("batch results: %r; retrying", exc)
+                await asyncio.sleep(0.5)  # back-off before the next attempt
+
+    async def _handle(self, tp: TopicPartition, records: list[tuple[int, bytes | None]]) -> None:
+        chunks: list[tuple[int, str, int, Chunk]] = []
+        for offset, raw in records:
+            self._next[tp] = offset + 1
+            try:
+                chunk = reply_decoder.decode(raw or b"")
+            except Exception as exc:
+                log.error("dropping an undecodable batch result: %r", exc)
+                continue
+            split = split_sequence_id(chunk.request_id)
+            if split is None or split[0] in self._foreign:
+                continue
+            chunks.append((offset, split[0], split[1], chunk))
+        await self._load_metas({item for _, item, _, _ in chunks})
+        for offset, item, k, chunk in chunks:
+            meta = self._metas.get(item)
+            if meta is None:
+                continue
+            state = self._open.get(item)
+            if state is None:
+                state = self._open[item] = ItemChunks(first_offset=offset)
+            state.seen_at = time.monotonic()
+            state.add(k, chunk)
+            if state.finished(sequences_of(meta)):
+                await self._finish(item, meta, state)
+
+    async def _load_metas(self, items: set[str]) -> None:
+        wanted = [i for i in items if i not in self._metas]
+        by_batch: dict[str, list[tuple[str, int]]] = {}
+        native: list[str] = []
+        for item in wanted:
+            split = split_item_id(item)
+            if split is None:
+                native.append(item)
+            else:
+                by_batch.setdefault(split[0], []).append((item, split[1]))
+        for batch_id, entries in by_batch.items():
+            metas = await self.store.item_metas(batch_id, [i for _, i in entries])
+            for (item, _), meta in zip(entries, metas, strict=True):
+                self._remember(item, meta)
+        if native:
+            for item, meta in zip(native, await self.store.get_items(native), strict=True):
+                self._remember(item, meta)
+
+    def _remember(self, item: str, meta: ItemMeta | None) -> None:
+        if meta is not None:
+            self._metas[item] = meta
+            return
+        self._foreign[item] = None
+        if len(self._foreign) > _FOREIGN_MEMORY:
+            self._foreign.popitem(last=False)
+
+    async def _finish(self, item: str, meta: ItemMeta, state: ItemChunks) -> None:
+        result = build(meta, state, self.fmt)
+        if result.aborted:
+            line = unrun_line(
+                meta.custom_id,
+                "request_aborted",
+                "The batch was cancelled or expired while this request ran.",
+            )
+        else:
+            line = response_line(meta.custom_id, result.status, result.body)
+        split = split_item_id(item)
+        if split is not None:
+            res = await self.store.record(
+                split[0],
+                split[1],
+                line,
+                result.ok,
+                result.input_tokens,
+                result.cached_tokens,
+                result.output_tokens,
+            )
+            if res >= 0:
+                self.lines_recorded += 1
+            if res == 1:
+                self.on_complete(split[0])
+        elif meta.reply_topic and await self.store.claim_item(item, 7 * 24 * 3600):
+            try:
+                await self.producer.send_and_wait(meta.reply_topic, line, key=meta.custom_id.encode())
+            except KafkaError:
+                await self.store.unclaim_item(item)
+                raise
+            self.lines_recorded += 1
+        self._open.pop(item, None)
+        self._metas.pop(item, None)
+
+    async def _commit(self) -> None:
+        assert self._consumer is not None
+        if not self._next:
+            return
+        oldest = min((s.first_offset for s in self._open.values()), default=None)
+        points = {}
+        for tp, nxt in self._next.items():
+            # One results partition in practice (workers write to partition 0); open items hold it back.
+            points[tp] = nxt if oldest is None else min(nxt, oldest)
+        try:
+            await asyncio.shield(self._consumer.commit(points))
+        except KafkaError as exc:
+            log.info("batch results commit failed: %r", exc)
+
+    async def _drop_stale(self) -> None:
+        """Forget open items of batches that ended (their runs will never finish)."""
+        now = time.monotonic()
+        active = set(await self.store.active_batches())
+        for item, state in list(self._open.items()):
+            split = split_item_id(item)
+            if split is not None and split[0] not in active and now - state.seen_at > _STALE_S / 6:
+                self._open.pop(item, None)
+                self._metas.pop(item, None)
+            elif split is None and now - state.seen_at > _STALE_S * 60:
+                self._open.pop(item, None)
+                self._metas.pop(item, None)

@@ -1,0 +1,89 @@
+"""Everything batch a frontend runs, started and stopped with it: store, coordinator, results, Kafka intake."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+
+from kvstore.batch_store import BatchStore
+from schemas.names import RedisKeys, batch_results_topic, batch_submit_topic, pool_topic
+from schemas.settings import FrontendSettings
+from schemas.status import WorkerStatus
+from server.batch.coordinator import BatchCoordinator
+from server.batch.intake import KafkaIntake
+from server.batch.results import ResultCollector
+from server.preprocess import Preprocessor
+from server.responses import LogprobFormatter
+
+log = logging.getLogger("ferry.batch")
+
+
+async def ensure_topics(bootstrap: str, topics: dict[str, int]) -> None:
+    """Create each topic with its number of partitions unless it exists."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        for topic, partitions in topics.items():
+            with contextlib.suppress(TopicAlreadyExistsError):
+                await admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
+    finally:
+        await admin.close()
+
+
+class BatchService:
+    """The batch API's moving parts in one frontend."""
+
+    def __init__(self, settings: FrontendSettings) -> None:
+        self.settings = settings
+        self.redis = aioredis.from_url(settings.redis, socket_timeout=5.0, socket_connect_timeout=2.0)
+        self.store = BatchStore(self.redis, RedisKeys(settings.redis_prefix))
+        self.coordinator: BatchCoordinator | None = None
+        self.collector: ResultCollector | None = None
+        self.intake: KafkaIntake | None = None
+
+    @contextlib.asynccontextmanager
+    async def running(
+        self, pre: Preprocessor, fmt: LogprobFormatter, live: Callable[[], list[WorkerStatus]]
+    ) -> AsyncIterator[None]:
+        """Run the coordinator, the results consumer and (unless switched off) the Kafka intake."""
+        s = self.settings
+        model = s.served_model_name
+        await ensure_topics(
+            s.kafka,
+            {
+                pool_topic(model): s.pool_partitions,
+                batch_results_topic(model): 1,
+                batch_submit_topic(model): 1,
+            },
+        )
+        producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=5, request_timeout_ms=10_000)
+        coordinator = self.coordinator = BatchCoordinator(s, self.store, pre, live)
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(self.redis.aclose)
+            await producer.start()
+            stack.push_async_callback(producer.stop)
+            await stack.enter_async_context(coordinator.running(producer))
+            self.collector = ResultCollector(
+                s.kafka,
+                model,
+                self.store,
+                fmt,
+                producer,
+                s.kafka_fetch_wait_ms,
+                lambda _b: coordinator.kick(),
+            )
+            await self.collector.start()
+            stack.push_async_callback(self.collector.stop)
+            if s.batch_kafka_intake:
+                self.intake = KafkaIntake(
+                    s.kafka, model, self.store, coordinator.preparer, producer, live, s.kafka_fetch_wait_ms
+                )
+                await self.intake.start()
+                stack.push_async_callback(self.intake.stop)
+            yield
