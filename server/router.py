@@ -208,23 +208,25 @@ class Router:
         chain: list[int],
     ) -> tuple[WorkerStatus, int]:
         weight = self.config.overlap_weight
-        chain_set = set(chain)
         costs: list[float] = []
         best: dict[str, int] = {}
         for w in workers:
-            load = self.load(w.worker_id)
-            active = self.active_blocks.get(w.worker_id)
+            wid = w.worker_id
+            local, remote = self.local.get(wid), self.remote.get(wid)
+            pending = (local.prefill_tokens if local else 0) + (remote.prefill_tokens if remote else 0)
+            decoding = (local.decode_blocks if local else 0) + (remote.decode_blocks if remote else 0)
+            active = self.active_blocks.get(wid)
+            # Blocks of this prompt that active sequences on w already hold add no decode load there. They
+            # are a leading run of the chain: a chained hash held implies its whole prefix is held.
+            shared = _leading(chain, active) if active else 0
             # The index learns of a prompt's blocks only once the engine has prefilled them; until then
             # the sequences this frontend sent are the freshest evidence of what a worker will hold.
-            overlap = overlaps.get(w.worker_id, 0)
-            if active and self.config.inflight_overlap:
-                overlap = max(overlap, _leading(chain, active))
-            best[w.worker_id] = overlap
-            prefill_blocks = (load.prefill_tokens + prompt_tokens) / w.block_size - overlap
-            # Blocks of this prompt that active sequences on w already hold add no decode load there.
-            shared = len(active.keys() & chain_set) if active else 0
-            decode_blocks = load.decode_blocks + prompt_blocks - shared
-            costs.append(weight * prefill_blocks + decode_blocks)
+            overlap = overlaps.get(wid, 0)
+            if self.config.inflight_overlap:
+                overlap = max(overlap, shared)
+            best[wid] = overlap
+            prefill_blocks = (pending + prompt_tokens) / w.block_size - overlap
+            costs.append(weight * prefill_blocks + decoding + prompt_blocks - shared)
         lo, hi = min(costs), max(costs)
         t = self.config.temperature
         if t > 0 and hi > lo:
@@ -295,10 +297,16 @@ class Router:
 
 
 def _leading(chain: list[int], held: Counter[int]) -> int:
-    """How many leading blocks of `chain` are in `held` (chained hashes: a hit implies its prefix)."""
-    n = 0
-    for h in chain:
-        if h not in held:
-            break
-        n += 1
-    return n
+    """How many leading blocks of `chain` are in `held`.
+
+    Chained hashes: holding block i implies holding blocks 0..i-1, so membership is a prefix of the chain
+    and a binary search finds its end.
+    """
+    lo, hi = 0, len(chain)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if chain[mid] in held:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo

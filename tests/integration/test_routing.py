@@ -61,9 +61,17 @@ async def test_two_frontends_share_load(h: Harness) -> None:
     b = await h.add_worker(speedup=1.0)
     fe1, url1 = await h.add_frontend(router_policy="least_loaded")
     fe2, url2 = await h.add_frontend(router_policy="least_loaded")
-    async with httpx.AsyncClient(base_url=url1, timeout=60) as c1, httpx.AsyncClient(base_url=url2, timeout=60) as c2:
-        long_body = {"model": MODEL, "prompt": _prompt(5, 100), "max_tokens": 3000, "ignore_eos": True,
-                     "stream": True}
+    async with (
+        httpx.AsyncClient(base_url=url1, timeout=60) as c1,
+        httpx.AsyncClient(base_url=url2, timeout=60) as c2,
+    ):
+        long_body = {
+            "model": MODEL,
+            "prompt": _prompt(5, 100),
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "stream": True,
+        }
         async with c1.stream("POST", "/v1/completions", json=long_body) as r1:
             busy = r1.headers["x-ferry-worker"]
             assert fe1.router.local[busy].sequences == 1
@@ -128,3 +136,21 @@ async def test_redis_stopped_and_restarted(kafka: str, prefix: str, model_path: 
             await _complete(c, _prompt(2, 200))
             assert fe.router.index_ok
     await redis_child.stop()
+
+
+async def test_lookup_reads_members_where_the_holders_change(redis_url: str, prefix: str) -> None:
+    """The lookup skips member reads while a block's holders match the walkers: same-sized other sets still count."""
+    from schemas.kv_events import BlockStored, KVEventBatch
+
+    idx = KVIndex(aioredis.from_url(redis_url), RedisKeys(prefix))
+    chain = block_hashes(_prompt(9, 64 * 6), 64, chain_seed("m"))
+    await idx.apply("a", "m", KVEventBatch(0.0, [BlockStored(chain[:2])]))
+    await idx.apply("b", "m", KVEventBatch(0.0, [BlockStored(chain[2:5])]))  # as many holders, other worker
+    await idx.apply("c", "m", KVEventBatch(0.0, [BlockStored(chain)]))
+    await idx.apply("d", "m", KVEventBatch(0.0, [BlockStored(chain[:4])]))
+    assert await idx.overlaps("m", chain) == {"a": 2, "c": 6, "d": 4}
+    await idx.clear_worker("c")
+    assert await idx.overlaps("m", chain) == {"a": 2, "d": 4}
+    await idx.clear_worker("d")
+    await idx.apply("a", "m", KVEventBatch(0.0, [BlockStored(chain[2:3])]))  # a's chain continues
+    assert await idx.overlaps("m", chain) == {"a": 3}
