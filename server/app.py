@@ -24,7 +24,7 @@ from kvstore.kv_index import KVIndex
 from kvstore.load import LoadBoard
 from kvstore.registry import Registry
 from schemas.kafka import ErrorInfo
-from schemas.names import RedisKeys, reply_topic
+from schemas.names import RedisKeys, admin_topic, reply_topic
 from schemas.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,6 +36,8 @@ from schemas.openai import (
 )
 from schemas.settings import FrontendSettings
 from schemas.status import WorkerStatus
+from server import admin
+from server.admin import AckInbox, LoraAdmin
 from server.auth import APIKeyAuth, parse_keys
 from server.batch.routes import routes as batch_routes
 from server.batch.service import BatchService
@@ -84,6 +86,7 @@ class Frontend:
         self.started = int(time.time())
         self.inflight = 0
         self.svc: Services | None = None
+        self.lora_admin: LoraAdmin | None = None  # LoRA load/unload (server/admin.py), once running
         self.background: set[asyncio.Future[None]] = set()
 
     @contextlib.asynccontextmanager
@@ -133,6 +136,10 @@ class Frontend:
             stack.push_async_callback(demux.stop)
             await pool.start()
             stack.push_async_callback(pool.stop)
+            acks = AckInbox(s.kafka, admin_topic(s.frontend_id), s.kafka_fetch_wait_ms)
+            await acks.start()
+            stack.push_async_callback(acks.stop)
+            self.lora_admin = LoraAdmin(acks, producer, pool, s.served_model_name)
             self.svc = Services(
                 frontend_id=s.frontend_id,
                 reply_topic=demux.topic,
@@ -185,7 +192,11 @@ class Frontend:
     def max_model_len(self, model: str) -> int:
         """Context length of `model`: 404 if not served here, 503 if no worker is up."""
         if model != self.settings.served_model_name:
-            raise model_not_found(model)
+            # A LoRA adapter is asked for by its name, as with vLLM; live workers holding it serve it.
+            adapter = self.svc.pool.adapters().get(model) if self.svc else None
+            if adapter is None:
+                raise model_not_found(model)
+            return adapter[1]
         lens = self.svc.pool.models() if self.svc else {}
         if model not in lens:
             raise APIError(
@@ -321,7 +332,15 @@ async def list_models(fe: Frontend, request: Request) -> Response:
     lens = fe.svc.pool.models() if fe.svc else {}
     name = fe.settings.served_model_name
     card = ModelCard(id=name, created=fe.started, root=str(fe.model.path), max_model_len=lens.get(name))
-    return Response(json_encoder.encode(ModelList(data=[card])), media_type="application/json")
+    adapters = fe.svc.pool.adapters() if fe.svc else {}
+    paths = fe.lora_admin.paths if fe.lora_admin else {}
+    # LoRA adapters as vLLM lists them: their own entry, `parent` = the base model.
+    cards = [card] + [
+        ModelCard(id=a, created=fe.started, root=paths.get(a), parent=base, max_model_len=n)
+        for a, (base, n) in sorted(adapters.items())
+        if base == name
+    ]
+    return Response(json_encoder.encode(ModelList(data=cards)), media_type="application/json")
 
 
 async def health(request: Request) -> Response:
@@ -392,6 +411,7 @@ def create_app(settings: FrontendSettings) -> Starlette:
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
+            *admin.routes(_handler),
             *batch_routes(),
         ],
         lifespan=lifespan,

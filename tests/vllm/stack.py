@@ -54,6 +54,10 @@ class VllmStack:
         await asyncio.gather(*(self.worker(i) for i in LORA_SLOTS))
         self.frontend, self.url = await self.h.add_frontend()
 
+    async def ensure_workers(self) -> None:
+        """Both workers running and seen by the frontend (restarting any an earlier test killed)."""
+        await asyncio.gather(*(self.worker(i) for i in LORA_SLOTS))
+
     async def worker(self, i: int) -> Child:
         """Worker `i`, (re)started if it is not running, once it is registered and the frontend sees it."""
         child = self.children.get(i)
@@ -62,11 +66,33 @@ class VllmStack:
         wid = self.worker_id(i)
         child = await Child.spawn(
             wid,
-            [sys.executable, "-m", "workers", "--engine", "vllm", "--worker-id", wid, "--block-size", "32",
-             "--kafka", self.kafka, "--redis", self._redis_url, "--redis-prefix", self.prefix,
-             "--model-path", str(self.model_path), "--kv-cache-gib", "0.25",
-             "--heartbeat-interval-s", str(HEARTBEAT_S), "--max-loras", str(LORA_SLOTS[i]),
-             "--log-level", "warning"],
+            [
+                sys.executable,
+                "-m",
+                "workers",
+                "--engine",
+                "vllm",
+                "--worker-id",
+                wid,
+                "--block-size",
+                "32",
+                "--kafka",
+                self.kafka,
+                "--redis",
+                self._redis_url,
+                "--redis-prefix",
+                self.prefix,
+                "--model-path",
+                str(self.model_path),
+                "--kv-cache-gib",
+                "0.25",
+                "--heartbeat-interval-s",
+                str(HEARTBEAT_S),
+                "--max-loras",
+                str(LORA_SLOTS[i]),
+                "--log-level",
+                "warning",
+            ],
             echo=False,
         )
         self.children[i] = child
@@ -106,6 +132,19 @@ class VllmStack:
                 name, _, value = line.partition(" ")
                 out[name] = float(value)
         return out
+
+    async def wait_metrics(
+        self, worker_id: str, accept: Callable[[dict[str, float]], bool], timeout_s: float
+    ) -> dict[str, float]:
+        """Poll the worker's /metrics (recorded once per heartbeat) until `accept` holds."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = await self.metrics(worker_id)
+            if accept(m):
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"metrics of {worker_id} never matched within {timeout_s}s; last: {m}")
+            await asyncio.sleep(HEARTBEAT_S / 2)  # poll period: metrics change once per heartbeat
 
     def engine_core_pid(self, i: int) -> int:
         """The pid of vLLM's EngineCore process, a child of worker `i`."""

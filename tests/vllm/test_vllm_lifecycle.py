@@ -1,0 +1,127 @@
+"""Real vLLM workers behind the frontend: engine statistics in heartbeats and /metrics, a client that goes
+away aborting its request in the engine, and an engine that dies taking its worker out cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import uuid
+
+import httpx
+import msgspec
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from schemas.kafka import Chunk, GenerateRequest, SamplingParams, reply_decoder, request_encoder
+from schemas.names import request_topic
+from schemas.settings import DEFAULT_MODEL_NAME as BASE
+from server.model_files import ModelFiles
+from tests.harness import sse_events
+from tests.vllm.stack import VllmStack
+from workers.worker import ensure_topic
+
+pytestmark = pytest.mark.vllm
+
+LONG = 1500  # tokens: ~a minute of decoding here, so only an abort ends it within the test's deadlines
+
+
+async def test_disconnect_aborts_in_the_engine_and_stats_follow(vllm_stack: VllmStack) -> None:
+    stack = vllm_stack
+    await stack.ensure_workers()
+    body = {
+        "model": BASE,
+        "max_tokens": LONG,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Tell me a very long story about a lighthouse."}],
+    }
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as c:
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            worker = r.headers["x-ferry-worker"]
+            tokens = 0
+            async for _id, data in sse_events(r):
+                delta = json.loads(data)["choices"][0]["delta"]
+                tokens += bool(delta.get("content"))
+                if tokens >= 3:
+                    break
+            # While it streams, the engine's own figures are in the heartbeat and on /metrics.
+            st = await stack.wait_status(worker, lambda s: s is not None and s.running == 1, 10)
+            assert st is not None and st.waiting == 0 and 0 < st.kv_usage < 1
+            m = await stack.wait_metrics(worker, lambda m: m["ferry_worker_engine_running"] == 1, 10)
+            assert m["ferry_worker_kv_usage"] > 0 and m["ferry_worker_inflight"] == 1
+            assert "ferry_worker_engine_waiting" in m and "ferry_worker_prefix_hit_rate" in m
+        # The client is gone (the response was closed mid-stream): the engine stops running it.
+    st = await stack.wait_status(worker, lambda s: s is not None and s.running == 0, 15)
+    assert st is not None and st.kv_usage == 0
+    m = await stack.wait_metrics(worker, lambda m: m["ferry_worker_inflight"] == 0, 15)
+    assert m["ferry_worker_engine_running"] == 0
+    assert m["ferry_worker_generated_tokens_total"] < LONG
+
+
+@pytest.mark.kills_worker
+async def test_engine_death_takes_the_worker_out(vllm_stack: VllmStack) -> None:
+    stack = vllm_stack
+    await stack.ensure_workers()
+    victim = 1
+    wid = VllmStack.worker_id(victim)
+    child = stack.children[victim]
+    files = ModelFiles.load(stack.model_path, BASE)
+    prompt = files.encode(
+        files.render_chat([{"role": "user", "content": "Describe the sea."}]), add_special_tokens=False
+    )
+    # Straight onto the worker's topic, replies to a topic of the test's own: what the worker itself
+    # reports, whatever the frontend would then do with it (migrate, or fail the client's stream).
+    replies = f"test.engine-death.{uuid.uuid4().hex[:8]}"
+    await ensure_topic(stack.kafka, replies)
+    consumer = AIOKafkaConsumer(bootstrap_servers=stack.kafka, enable_auto_commit=False, fetch_max_wait_ms=20)
+    producer = AIOKafkaProducer(bootstrap_servers=stack.kafka)
+    await consumer.start()
+    await producer.start()
+    try:
+        tp = TopicPartition(replies, 0)
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        rid = f"death-{uuid.uuid4().hex[:6]}"
+        req = GenerateRequest(
+            request_id=rid,
+            model=BASE,
+            prompt_token_ids=prompt,
+            max_tokens=LONG,
+            reply_topic=replies,
+            sampling=SamplingParams(temperature=0.0, ignore_eos=True),
+        )
+        await producer.send_and_wait(
+            request_topic(wid), request_encoder.encode(req), key=rid.encode(), partition=0
+        )
+
+        async def next_chunks() -> list[Chunk]:
+            batches = await consumer.getmany(tp, timeout_ms=30_000)
+            assert batches, "no reply within 30 s"
+            return [reply_decoder.decode(rec.value) for rec in batches[tp]]
+
+        chunks = await next_chunks()
+        while not any(c.token_ids for c in chunks):
+            chunks += await next_chunks()
+        assert all(c.finish_reason is None for c in chunks)
+
+        # vLLM's EngineCore is a child process of the worker (AsyncLLM always runs it apart); kill it.
+        os.kill(stack.engine_core_pid(victim), signal.SIGKILL)
+        while chunks[-1].finish_reason is None:
+            chunks += await next_chunks()
+        last = chunks[-1]
+        assert last.finish_reason == "error" and last.error is not None, msgspec.json.encode(last)
+        assert last.error.retriable and last.error.code == "engine_dead"
+
+        rc = await child.proc.wait()
+        assert rc != 0
+        assert any("stopping after a fatal error" in line for line in child.tail), child.tail
+        assert await stack.status(wid) is None
+        assert stack.frontend is not None and stack.frontend.svc is not None
+        await stack.frontend.svc.pool.refresh()
+        assert wid not in stack.frontend.svc.pool.workers
+    finally:
+        await consumer.stop()
+        await producer.stop()
