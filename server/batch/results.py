@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
 from kvstore.batch_store import BatchStore
@@ -35,6 +35,17 @@ log = logging.getLogger("ferry.batch")
 _FOREIGN_MEMORY = 10_000
 # Open items of batches that ended are dropped after this long without news.
 _STALE_S = 60.0
+
+
+class _Joined(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, event: asyncio.Event) -> None:
+        self.event = event
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        pass
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        self.event.set()
 
 
 class ResultCollector:
@@ -65,6 +76,7 @@ class ResultCollector:
         self._task: asyncio.Task[None] | None = None
         self._next: dict[TopicPartition, int] = {}
         self.lines_recorded = 0
+        self.joined = asyncio.Event()  # set once the group gave this frontend its share of the topic
 
     async def start(self) -> None:
         """Join the group and start reading."""
@@ -77,7 +89,7 @@ class ResultCollector:
             max_poll_records=2048,
         )
         await self._consumer.start()
-        self._consumer.subscribe([self.topic])
+        self._consumer.subscribe([self.topic], listener=_Joined(self.joined))
         self._task = asyncio.create_task(self._run(), name="batch-results")
 
     async def stop(self) -> None:

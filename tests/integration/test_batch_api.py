@@ -163,7 +163,9 @@ async def test_invalid_files_and_batches_are_refused_clearly(
         f = await client.files.create(file=("x.jsonl", jsonl([good])), purpose="batch")
         with pytest.raises(openai.BadRequestError) as info:
             await client.batches.create(
-                input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="1h"
+                input_file_id=f.id,
+                endpoint="/v1/chat/completions",
+                completion_window="1h",  # type: ignore[arg-type]
             )
         assert info.value.body["param"] == "completion_window"  # type: ignore[index]
         with pytest.raises(openai.NotFoundError):
