@@ -14,6 +14,7 @@ commands:
   frontend        one frontend process (OpenAI API)
   worker          one worker process (engine behind a Kafka topic)
   model prepare   build the default model directory (SmolLM2-135M-Instruct) once
+  batch           submit a JSONL batch, follow it, fetch its results, cancel it (`ferry batch --help`)
 
 Run `ferry COMMAND --help` for the flags of a command. Every flag can also be set through a
 FERRY_<FLAG> environment variable (e.g. --kafka -> FERRY_KAFKA).
@@ -43,6 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd == "worker":
         # The frontend package never imports the worker's; a worker is its own process.
         os.execv(sys.executable, [sys.executable, "-m", "workers", *rest])
+    if cmd == "batch":
+        from server.batch.cli import main as batch_main
+
+        return batch_main(rest)
     if cmd == "model" and rest[:1] == ["prepare"]:
         from server.model_prepare import main as prepare_main
 

@@ -54,6 +54,8 @@ class BatchService:
         """Run the coordinator, the results consumer and (unless switched off) the Kafka intake."""
         s = self.settings
         model = s.served_model_name
+        # Batch traffic does not need the interactive path's few-millisecond fetches; idle polling costs CPU.
+        fetch_wait_ms = max(s.kafka_fetch_wait_ms, 100)
         await ensure_topics(
             s.kafka,
             {
@@ -82,7 +84,7 @@ class BatchService:
             stack.push_async_callback(self.collector.stop)
             if s.batch_kafka_intake:
                 self.intake = KafkaIntake(
-                    s.kafka, model, self.store, coordinator.preparer, producer, live, s.kafka_fetch_wait_ms
+                    s.kafka, model, self.store, coordinator.preparer, producer, live, fetch_wait_ms
                 )
                 await self.intake.start()
                 stack.push_async_callback(self.intake.stop)
