@@ -77,7 +77,7 @@ class BatchService:
                 self.store,
                 fmt,
                 producer,
-                s.kafka_fetch_wait_ms,
+                fetch_wait_ms,
                 lambda _b: coordinator.kick(),
             )
             await self.collector.start()
