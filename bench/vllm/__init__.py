@@ -1,0 +1,1 @@
+"""Ferry with one vLLM worker against vLLM's own OpenAI server, same model and engine settings."""
