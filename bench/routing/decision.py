@@ -1,6 +1,6 @@
 """Router decision time with 64 workers and one million indexed blocks (issue 3, item 5: p99 <= 2 ms).
 
-`python -m bench.routing decision` starts a throwaway Redis on loopback, fills Ferry's KV index
+`python -m bench.routing.decision` (or `python -m bench.routing decision`) starts a throwaway Redis on loopback, fills Ferry's KV index
 (`kvstore.kv_index.KVIndex`) with 1,000,000 (worker, block) entries in the shape a busy cluster has, and
 times `server.router.Router.choose` for the `kv` policy, one decision at a time, from the prompt's token ids to
 the chosen worker: block hashing, the one-round-trip index lookup (a Lua script) and the cost function over 64
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections import deque
@@ -150,6 +151,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         workers = _workers(args.workers, args.block_size)
         tokens = _Tokens(args.block_size, args.seed)
         t0 = time.perf_counter()
+        load_before = os.getloadavg()
         shared, conversations, entries = await _fill(index, tokens, args, [w.worker_id for w in workers])
         fill_s = time.perf_counter() - t0
         info = await client.info("memory")
@@ -172,12 +174,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         from kvstore.hashing import block_hashes, chain_seed
 
         seed = chain_seed(MODEL)
+        cpu: list[float] = []
         for i in range(args.warmup + args.decisions):
+            if i == args.warmup:
+                await client.config_resetstat()
             kind = kinds[i % len(kinds)]
             p = prompt(kind)
+            c = time.thread_time()
             t = time.perf_counter()
             d = await choose(workers, p)
             dt = time.perf_counter() - t
+            dc = time.thread_time() - c
             # Keep a realistic, changing load in the cost function: ~256 sequences in flight.
             router.started(d)
             inflight.append(d)
@@ -185,6 +192,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 router.finished(inflight.popleft())
             if i >= args.warmup:
                 samples[kind].append(dt)
+                cpu.append(dc)
                 overlaps_seen[kind].append(d.predicted_cached_blocks)
                 if i % 4 == 0:
                     t = time.perf_counter()
@@ -193,12 +201,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     t = time.perf_counter()
                     await index.overlaps(MODEL, chain)
                     lookups.append(time.perf_counter() - t)
+        stats = await client.info("commandstats")
+        evalsha = stats.get("cmdstat_evalsha", {})
         every = [x for k in kinds for x in samples[k]]
         overall = _stats(every)
         return {
             "benchmark": "router decision time",
-            "command": "python -m bench.routing decision " + " ".join(sys.argv[2:]),
-            "config": {k: v for k, v in vars(args).items() if k != "out"},
+            "command": "python -m bench.routing.decision " + " ".join(args.argv),
+            "machine": {
+                "cpus": os.cpu_count(),
+                "loadavg_before": load_before,
+                "loadavg_after": os.getloadavg(),
+            },
+            "config": {k: v for k, v in vars(args).items() if k not in ("out", "argv")},
             "index": {
                 "entries": entries,
                 "distinct_blocks": len(shared) * args.shared_blocks
@@ -214,6 +229,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 for k, v in samples.items()
             },
             "index_lookup_alone": _stats(lookups),
+            # Work, not waiting: the frontend thread's CPU per decision, and Redis's time per lookup script
+            # (both leave out the time other processes on a shared machine hold the cores).
+            "frontend_cpu_per_decision": _stats(cpu),
+            "redis_usec_per_lookup_script": evalsha.get("usec_per_call"),
             "block_hashing_alone": _stats(hashing),
             "prompt_blocks": {"turn": "system prompt + conversation + new", "new_blocks": args.new_blocks},
             "target": f"p99 <= {TARGET_P99_MS} ms",
@@ -240,7 +259,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "routing_decision.json"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
             f"  {k:<7} p50 {v['p50_ms']:.3f}  p99 {v['p99_ms']:.3f} ms  "
             f"(predicted cached blocks {v['mean_predicted_cached_blocks']})"
         )
+    cp = res["frontend_cpu_per_decision"]
+    print(
+        f"  frontend CPU per decision: p50 {cp['p50_ms']:.3f}  p99 {cp['p99_ms']:.3f} ms; Redis per lookup "
+        f"script {res['redis_usec_per_lookup_script']} us; load average {res['machine']['loadavg_after']}"
+    )
     lk = res["index_lookup_alone"]
     hs = res["block_hashing_alone"]
     print(f"  index lookup alone: p50 {lk['p50_ms']:.3f}  p99 {lk['p99_ms']:.3f} ms")

@@ -114,29 +114,41 @@ def plot(results: dict[str, Any], ttft_path: Path, cache_path: Path) -> list[Pat
         return []
     systems = list(dict.fromkeys(r["system"] for r in runs))
     colors = {s: f"C{i}" for i, s in enumerate(systems)}
-    kinds = [k for k in ("trace", "prefix") if any(r["kind"] == k for r in runs)]
+    # One panel for the trace (x = rate), one per rate of the prefix sweep (x = shared-prefix fraction).
+    panels: list[tuple[str, float | None]] = (
+        [("trace", None)] if any(r["kind"] == "trace" for r in runs) else []
+    )
+    panels += [("prefix", rate) for rate in sorted({r["rate_rps"] for r in runs if r["kind"] == "prefix"})]
     k = results["config"]["engine"]
     subtitle = (
         f"{k['workers']} workers, block {k['block_size']}, {k['num_blocks']} blocks/worker, speedup {k['speedup']:g}; "
         f"{results['machine']['nproc']} CPUs, commit {(results['machine']['commit'] or '?')[:10]}"
     )
-    prefix_rates = ", ".join(f"{r:g}" for r in results["config"]["prefix_rates"])
 
-    def series(kind: str, system: str, x: str, y: Any) -> tuple[list[float], list[float]]:
+    def series(kind: str, rate: float | None, system: str, x: str, y: Any) -> tuple[list[float], list[float]]:
         pts = sorted(
-            (r[x], y(r)) for r in runs if r["kind"] == kind and r["system"] == system and y(r) is not None
+            (r[x], y(r))
+            for r in runs
+            if r["kind"] == kind
+            and r["system"] == system
+            and (rate is None or r["rate_rps"] == rate)
+            and y(r) is not None
         )
         return [p[0] for p in pts], [p[1] for p in pts]
 
     # TTFT against load (trace) and against the shared-prefix fraction (prefix sweep).
-    fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 5), squeeze=False)
-    for ax, kind in zip(axes[0], kinds, strict=True):
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5.5), squeeze=False)
+    for ax, (kind, rate) in zip(axes[0], panels, strict=True):
         x = "rate_rps" if kind == "trace" else "prefix_fraction"
         for s in systems:
-            xs, ys = series(kind, s, x, lambda r: r["ttft_ms"]["p90"])
+            xs, ys = series(kind, rate, s, x, lambda r: r["ttft_ms"]["p90"])
+            if kind == "trace":  # the unloaded reference sits at rate 0
+                xs, ys = [a for a in xs if a > 0], [b for a, b in zip(xs, ys, strict=True) if a > 0]
             if xs:
                 ax.plot(xs, ys, color=colors[s], label=f"{s}", **_style(s))
-            xs, ys = series(kind, s, x, lambda r: r["ttft_ms"]["p50"])
+            xs, ys = series(kind, rate, s, x, lambda r: r["ttft_ms"]["p50"])
+            if kind == "trace":
+                xs, ys = [a for a in xs if a > 0], [b for a, b in zip(xs, ys, strict=True) if a > 0]
             if xs:
                 ax.plot(xs, ys, color=colors[s], alpha=0.4, linewidth=1, linestyle=":")
         ax.set_yscale("log")
@@ -148,15 +160,15 @@ def plot(results: dict[str, Any], ttft_path: Path, cache_path: Path) -> list[Pat
             ax.set_title("Mooncake conversation trace (scaled): TTFT vs. load", fontsize=10)
         else:
             ax.set_xlabel("shared-prefix fraction")
-            ax.set_title(f"synthetic prefix sweep at {prefix_rates} req/s", fontsize=10)
+            ax.set_title(f"synthetic prefix sweep at {rate:g} req/s", fontsize=10)
     fig.suptitle(f"Routing: time to first token per policy\n{subtitle}", fontsize=10)
     fig.tight_layout()
     fig.savefig(ttft_path, dpi=110)
     plt.close(fig)
 
     # Cached fraction per system against the bound.
-    fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 5), squeeze=False)
-    for ax, kind in zip(axes[0], kinds, strict=True):
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5.5), squeeze=False)
+    for ax, (kind, rate) in zip(axes[0], panels, strict=True):
         if kind == "trace":
             trace_runs = sorted({(r["rate_rps"], r["run"]) for r in runs if r["kind"] == "trace"})
             width = 0.8 / len(systems)
@@ -181,14 +193,14 @@ def plot(results: dict[str, Any], ttft_path: Path, cache_path: Path) -> list[Pat
             ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         else:
             for s in systems:
-                xs, ys = series("prefix", s, "prefix_fraction", lambda r: r["cached_fraction"])
+                xs, ys = series("prefix", rate, s, "prefix_fraction", lambda r: r["cached_fraction"])
                 if xs:
                     ax.plot(xs, [100 * y for y in ys], color=colors[s], label=s, **_style(s))
-            xs, ys = series("prefix", systems[0], "prefix_fraction", lambda r: r["bound_fraction"])
+            xs, ys = series("prefix", rate, systems[0], "prefix_fraction", lambda r: r["bound_fraction"])
             if xs:
                 ax.plot(xs, [100 * y for y in ys], color="black", linewidth=2, label="bound")
             ax.set_xlabel("shared-prefix fraction")
-            ax.set_title(f"synthetic prefix sweep at {prefix_rates} req/s", fontsize=10)
+            ax.set_title(f"synthetic prefix sweep at {rate:g} req/s", fontsize=10)
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
         ax.set_ylabel("cached prompt tokens (%)")
@@ -198,3 +210,20 @@ def plot(results: dict[str, Any], ttft_path: Path, cache_path: Path) -> list[Pat
     fig.savefig(cache_path, dpi=110)
     plt.close(fig)
     return [ttft_path, cache_path]
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.routing.report", description="table and plots of a results file"
+    )
+    ap.add_argument("results", type=Path)
+    ap.add_argument("--plot-prefix", type=Path, help="writes <prefix>_ttft.png and <prefix>_cache.png")
+    a = ap.parse_args()
+    doc = json.loads(a.results.read_text())
+    print(table(doc))
+    if a.plot_prefix:
+        pp = a.plot_prefix
+        print(*plot(doc, pp.with_name(pp.name + "_ttft.png"), pp.with_name(pp.name + "_cache.png")), sep="\n")
