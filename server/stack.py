@@ -9,7 +9,7 @@ import secrets
 import signal
 import sys
 
-from schemas.settings import StackSettings
+from schemas.settings import FrontendSettings, StackSettings, load
 from server.services import Child, free_port, start_broker, start_redis
 
 log = logging.getLogger("ferry.stack")
@@ -17,42 +17,73 @@ log = logging.getLogger("ferry.stack")
 
 def _worker_argv(s: StackSettings, kafka: str, redis: str, index: int) -> list[str]:
     return [
-        sys.executable, "-m", "workers",
-        "--worker-id", f"worker-{index}",
-        "--engine", s.engine,
-        "--kafka", kafka,
-        "--redis", redis,
-        "--redis-prefix", s.redis_prefix,
-        "--model-path", s.model_path,
-        "--served-model-name", s.served_model_name,
-        "--speedup", str(s.speedup),
-        "--block-size", str(s.block_size),
-        "--num-blocks", str(s.num_blocks),
-        "--max-model-len", str(s.max_model_len),
-        "--heartbeat-interval-s", str(s.heartbeat_interval_s),
-        "--log-level", s.log_level,
+        sys.executable,
+        "-m",
+        "workers",
+        "--worker-id",
+        f"worker-{index}",
+        "--engine",
+        s.engine,
+        "--kafka",
+        kafka,
+        "--redis",
+        redis,
+        "--redis-prefix",
+        s.redis_prefix,
+        "--model-path",
+        s.model_path,
+        "--served-model-name",
+        s.served_model_name,
+        "--speedup",
+        str(s.speedup),
+        "--block-size",
+        str(s.block_size),
+        "--num-blocks",
+        str(s.num_blocks),
+        "--max-model-len",
+        str(s.max_model_len),
+        "--heartbeat-interval-s",
+        str(s.heartbeat_interval_s),
+        "--log-level",
+        s.log_level,
     ]
 
 
 def _frontend_argv(s: StackSettings, kafka: str, redis: str, port: int) -> list[str]:
     return [
-        sys.executable, "-m", "server", "frontend",
-        "--host", s.host,
-        "--port", str(port),
+        sys.executable,
+        "-m",
+        "server",
+        "frontend",
+        "--host",
+        s.host,
+        "--port",
+        str(port),
         # A fresh replies topic per run: Tansu keeps every record and slows as a topic grows.
-        "--frontend-id", f"frontend-{secrets.token_hex(3)}",
-        "--kafka", kafka,
-        "--redis", redis,
-        "--redis-prefix", s.redis_prefix,
-        "--model-path", s.model_path,
-        "--served-model-name", s.served_model_name,
-        "--router-policy", s.router_policy,
+        "--frontend-id",
+        f"frontend-{secrets.token_hex(3)}",
+        "--kafka",
+        kafka,
+        "--redis",
+        redis,
+        "--redis-prefix",
+        s.redis_prefix,
+        "--model-path",
+        s.model_path,
+        "--served-model-name",
+        s.served_model_name,
+        "--router-policy",
+        s.router_policy,
         "--kv-events" if s.kv_events else "--no-kv-events",
         "--inflight-overlap" if s.inflight_overlap else "--no-inflight-overlap",
-        "--overlap-weight", str(s.overlap_weight),
-        "--router-temperature", str(s.router_temperature),
-        "--heartbeat-interval-s", str(s.heartbeat_interval_s),
-        "--log-level", s.log_level,
+        "--overlap-weight",
+        str(s.overlap_weight),
+        "--router-temperature",
+        str(s.router_temperature),
+        "--heartbeat-interval-s",
+        str(s.heartbeat_interval_s),
+        "--log-level",
+        s.log_level,
     ]
 
 
@@ -70,18 +101,24 @@ async def _start(s: StackSettings, services: list[Child], workers: list[Child], 
     for i in range(s.workers):
         workers.append(await Child.spawn(f"worker-{i}", _worker_argv(s, kafka, redis, i)))
     await asyncio.gather(
-        *(w.wait_for_line(lambda line: line.startswith("ferry-worker-ready"), s.ready_timeout_s) for w in workers)
+        *(
+            w.wait_for_line(lambda line: line.startswith("ferry-worker-ready"), s.ready_timeout_s)
+            for w in workers
+        )
     )
     port = s.port or free_port(s.host)
     fronts.append(await Child.spawn("frontend", _frontend_argv(s, kafka, redis, port)))
     await fronts[0].wait_for_line(lambda line: line.startswith("ferry-frontend-ready"), s.ready_timeout_s)
     url = f"http://{s.host}:{port}"
+    # The frontend inherits FERRY_API_KEYS / FERRY_ADMIN_KEY from this process's environment (variables,
+    # not flags, so keys never show in `ps`); the example names the header without printing a key.
+    auth = "-H 'Authorization: Bearer YOUR_KEY' " if load(FrontendSettings, []).api_keys else ""
     print(
         f"\nFerry is up: {url}  (model {s.served_model_name}, {s.workers} {s.engine} worker(s))\n"
         f"Kafka {kafka}  Redis {redis}  metrics {url}/metrics\n\n"
-        f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-        f"    -d '{{\"model\": \"{s.served_model_name}\", \"stream\": true, "
-        f"\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n\n"
+        f"  curl -N {url}/v1/chat/completions {auth}-H 'Content-Type: application/json' \\\n"
+        f'    -d \'{{"model": "{s.served_model_name}", "stream": true, '
+        f'"messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}\'\n\n'
         f"Press Ctrl-C to stop.\n"
         f"ferry-ready {url}",
         flush=True,
