@@ -49,6 +49,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", omit_defaults=True, frozen
     generated_token_ids: list[int] = []
     attempt: int = 0
     frontend_id: str = ""
+    # Sequence number of this attempt's first chunk: a migrated request continues its stream's count.
+    seq_base: int = 0
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True):
@@ -116,6 +118,9 @@ class Chunk(msgspec.Struct, tag="chunk", omit_defaults=True, frozen=True):
     error: ErrorInfo | None = None
     worker_id: str = ""
     logprobs: list[TokenLogprob] = []
+    # The GenerateRequest attempt that produced it. A chunk with seq == -1 is the frontend's migration
+    # marker: from here on only chunks of this attempt count (server/streams.py).
+    attempt: int = 0
 
 
 ReplyMessage = Chunk

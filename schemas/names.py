@@ -141,3 +141,11 @@ class RedisKeys:
     def batch_item_done(self, item_id: str) -> str:
         """Set once a Kafka-native item's result was sent (deduplication; expires)."""
         return f"{self.prefix}bitem:{item_id}:done"
+
+    def stream(self, request_id: str) -> str:
+        """Where a resumable stream's chunks are (a StreamRecord), with a TTL."""
+        return f"{self.prefix}stream:{request_id}"
+
+    def stream_reader(self, request_id: str) -> str:
+        """Present while a client reads a resumed stream: its request must keep running."""
+        return f"{self.prefix}stream:{request_id}:reader"

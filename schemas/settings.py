@@ -125,6 +125,20 @@ class FrontendSettings(CommonSettings):
     kafka_timeout_s: float = dataclasses.field(
         default=5.0, metadata=_help("how long a produce may take before the request gets 503")
     )
+    migration_limit: int = dataclasses.field(
+        default=3,
+        metadata=_help("times a sequence may move to another worker after its worker died; 0 = never"),
+    )
+    resume_grace_s: float = dataclasses.field(
+        default=30.0,
+        metadata=_help(
+            "a resumable stream (header `x-ferry-resumable: 1`) keeps running this long after its client "
+            "left, and as long as a resumed reader is attached"
+        ),
+    )
+    resume_ttl_s: float = dataclasses.field(
+        default=600.0, metadata=_help("how long a resumable stream can be resumed after it started")
+    )
     # ---- batch API (server/batch/)
     batch_dir: str = dataclasses.field(
         default="", metadata=_help("directory of uploaded and result files; empty = $FERRY_HOME/files")

@@ -19,6 +19,7 @@ from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from kvstore.kv_index import KVIndex
 from kvstore.load import LoadBoard
@@ -36,6 +37,7 @@ from schemas.openai import (
 )
 from schemas.settings import FrontendSettings
 from schemas.status import WorkerStatus
+from schemas.streams import StreamRecord
 from server import admin
 from server.admin import AckInbox, LoraAdmin
 from server.auth import APIKeyAuth, parse_keys
@@ -56,6 +58,7 @@ from server.responses import (
     completion_full,
     completion_stream,
 )
+from server.resume import Replay, ResumeStore, parse_last_event_id
 from server.router import Router, RouterConfig
 from server.sse import SSEResponse
 
@@ -102,13 +105,18 @@ class Frontend:
         demux = ReplyDemux(s.kafka, reply_topic(s.frontend_id), s.kafka_fetch_wait_ms)
 
         def fail_worker(worker_id: str) -> None:
+            # Each open sequence of the worker moves to another one (server/generation.py), up to
+            # --migration-limit times; the error is for streams that cannot move.
             failed = demux.fail_worker(
                 worker_id, ErrorInfo("worker_died", f"worker {worker_id} stopped responding", retriable=True)
             )
             if not failed:
                 return
             self.metrics.worker_failures.inc(len(failed))
-            log.error("worker %s vanished with %d sequence(s) in flight; they failed", worker_id, len(failed))
+            log.error(
+                "worker %s vanished with %d sequence(s) in flight; moving them (migration limit %d)",
+                worker_id, len(failed), s.migration_limit,
+            )
             # A worker that only missed heartbeats (a pause, a Redis hiccup) is still generating: stop it.
             assert self.svc is not None
             for rid in failed:
@@ -151,13 +159,26 @@ class Frontend:
                 request_timeout_s=s.request_timeout_s,
                 keepalive_s=s.sse_keepalive_s,
                 busy_wait_s=s.busy_wait_s,
+                migration_limit=s.migration_limit,
+                resume=ResumeStore(redis, keys, s.resume_ttl_s, s.resume_grace_s),
+                resume_grace_s=s.resume_grace_s,
             )
+            stack.push_async_callback(self._stop_detached)
             log.info(
                 "frontend %s serving %s on http://%s:%d (policy %s, %d worker(s) live)",
                 s.frontend_id, s.served_model_name, s.host, s.port, s.router_policy, len(pool.workers),
             )
             yield
             log.info("frontend %s stopping", s.frontend_id)
+
+    async def _stop_detached(self) -> None:
+        """Cancel resumable streams still running without a client (each cancels its sequences)."""
+        if self.svc is None:
+            return
+        tasks = list(self.svc.detached)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # ---- helpers ---------------------------------------------------------------------------------
 
@@ -204,9 +225,15 @@ class Frontend:
             )
         return lens[model]
 
+    def release(self) -> None:
+        """A request left (its response, streamed or not, is over)."""
+        self.inflight -= 1
+        self.metrics.inflight.dec()
+
     def admit(self) -> None:
         """Refuse work over the concurrency limit."""
-        if self.inflight >= self.settings.max_concurrent_requests:
+        # `inflight` already counts this request.
+        if self.inflight > self.settings.max_concurrent_requests:
             raise APIError(503, "The server is at capacity; try again shortly.", code="overloaded", retry_after=1)
 
 
@@ -238,6 +265,22 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
+class _HeldInFlight:
+    """A streamed response that keeps its request's place among those in flight until the stream ends."""
+
+    def __init__(self, response: SSEResponse, fe: Frontend) -> None:
+        self.response = response
+        self.status_code = 200
+        self._fe = fe
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Send the stream, then give the place back whatever happened."""
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self._fe.release()
+
+
 def _handler(endpoint: str) -> Callable[[Callable[[Frontend, Request], Awaitable[Response]]], Any]:
     """Wrap a route: errors become OpenAI bodies, in-flight and status are counted."""
 
@@ -248,9 +291,14 @@ def _handler(endpoint: str) -> Callable[[Callable[[Frontend, Request], Awaitable
             fe.metrics.inflight.inc()
             t0 = time.perf_counter()
             status = 500
+            held = False
             try:
                 response = await fn(fe, request)
                 status = response.status_code if isinstance(response, Response) else 200
+                if isinstance(response, SSEResponse):
+                    # A stream is in flight until its last event is sent, not when its handler returns.
+                    held = True
+                    return _HeldInFlight(response, fe)  # type: ignore[return-value]
                 return response
             except APIError as err:
                 status = err.status
@@ -259,8 +307,8 @@ def _handler(endpoint: str) -> Callable[[Callable[[Frontend, Request], Awaitable
                 status = 499
                 return Response(status_code=499)
             finally:
-                fe.inflight -= 1
-                fe.metrics.inflight.dec()
+                if not held:
+                    fe.release()
                 fe.metrics.requests.labels(endpoint, str(status)).inc()
                 if status == 200:
                     fe.metrics.e2e.observe(time.perf_counter() - t0)
@@ -278,12 +326,38 @@ def _headers(gen: Generation) -> dict[str, str]:
     }
 
 
-async def _start(fe: Frontend, model: str, prepared: Any, prefix: str) -> Generation:
+def _wants_resumable(request: Request) -> bool:
+    return request.headers.get("x-ferry-resumable", "").strip().lower() in ("1", "true", "yes")
+
+
+async def _start(fe: Frontend, model: str, prepared: Any, prefix: str, resumable: bool = False) -> Generation:
     assert fe.svc is not None
     fe.metrics.prompt_tokens.inc(sum(len(p) for p in prepared.prompts))
-    gen = Generation(fe.svc, model, prepared, new_id(prefix))
+    gen = Generation(fe.svc, model, prepared, new_id(prefix), resumable=resumable and prepared.stream)
     await gen.start()
     return gen
+
+
+async def _remember(fe: Frontend, gen: Generation, kind: Any, echo: bool) -> dict[str, str]:
+    """Save a resumable stream's record; headers telling the client whether it can resume."""
+    if not gen.resumable:
+        return {}
+    assert fe.svc is not None and fe.svc.resume is not None
+    spec = gen.spec
+    record = StreamRecord(
+        topic=fe.svc.reply_topic, offset=gen.first_offset, kind=kind, model=gen.model, created=gen.created,
+        n=spec.n, prompt_lens=spec.prompt_lens, include_usage=spec.include_usage, logprobs=spec.logprobs,
+        echo_texts=spec.prompt_texts if echo else [], frontend_id=fe.settings.frontend_id,
+    )
+    try:
+        async with asyncio.timeout(fe.settings.kafka_timeout_s):
+            await fe.svc.resume.save(gen.id, record)
+    except Exception as exc:
+        # Still served, just not resumable: it is cancelled when the client leaves, as usual.
+        log.warning("could not save the resume record of %s (%r); it will not be resumable", gen.id, exc)
+        gen.resumable = False
+        return {"x-ferry-resumable": "0"}
+    return {"x-ferry-resumable": "1"}
 
 
 @_handler("chat")
@@ -296,9 +370,10 @@ async def chat_completions(fe: Frontend, request: Request) -> Response:
         prepared = await fe.pre.chat(req, max_len)
     if fe.settings.log_prompts:
         log.info("chat prompt: %r", prepared.prompt_texts[0])  # only when asked: prompts are private
-    gen = await _start(fe, req.model, prepared, "chatcmpl")
+    gen = await _start(fe, req.model, prepared, "chatcmpl", _wants_resumable(request))
     if prepared.stream:
-        return SSEResponse(chat_stream(gen, fe.fmt), _headers(gen))  # type: ignore[return-value]
+        headers = {**_headers(gen), **await _remember(fe, gen, "chat", False)}
+        return SSEResponse(chat_stream(gen, fe.fmt), headers)  # type: ignore[return-value]
     try:
         result = await _until_disconnect(request, chat_full(gen, fe.fmt))
     finally:
@@ -316,14 +391,52 @@ async def completions(fe: Frontend, request: Request) -> Response:
         prepared = await fe.pre.completion(req, max_len)
     if fe.settings.log_prompts:
         log.info("completion prompts: %r", prepared.prompt_texts)  # only when asked: prompts are private
-    gen = await _start(fe, req.model, prepared, "cmpl")
+    gen = await _start(fe, req.model, prepared, "cmpl", _wants_resumable(request))
     if prepared.stream:
-        return SSEResponse(completion_stream(gen, fe.fmt, req.echo), _headers(gen))  # type: ignore[return-value]
+        headers = {**_headers(gen), **await _remember(fe, gen, "completion", req.echo)}
+        return SSEResponse(completion_stream(gen, fe.fmt, req.echo), headers)  # type: ignore[return-value]
     try:
         result = await _until_disconnect(request, completion_full(gen, fe.fmt, req.echo))
     finally:
         await gen.close()
     return Response(json_encoder.encode(result), headers=_headers(gen), media_type="application/json")
+
+
+@_handler("resume")
+async def resume_stream(fe: Frontend, request: Request) -> Response:
+    """GET /v1/chat/completions/{id}/stream, /v1/completions/{id}/stream: the rest of a resumable stream.
+
+    Sends the events after `Last-Event-ID` (all of them without it), then follows the request live.
+    """
+    assert fe.svc is not None and fe.svc.resume is not None
+    rid = request.path_params["id"]
+    kind = "chat" if request.url.path.startswith("/v1/chat/") else "completion"
+    after = parse_last_event_id(request.headers.get("last-event-id"))
+    if after < -1:
+        raise APIError(400, "Last-Event-ID must be the integer id of an event of this stream.",
+                       param="Last-Event-ID", code="invalid_last_event_id")
+    try:
+        async with asyncio.timeout(fe.settings.kafka_timeout_s):
+            record = await fe.svc.resume.load(rid)
+    except Exception as exc:
+        raise APIError(503, "Resumable streams are unavailable right now (Redis).", code="redis_unavailable",
+                       retry_after=2) from exc
+    if record is None or record.kind != kind:
+        raise APIError(404, f"No resumable stream `{rid}` (unknown, not resumable, or expired).",
+                       code="stream_not_found")
+    s = fe.settings
+    replay = Replay(rid, record, s.kafka, fe.svc.resume, s.sse_keepalive_s, s.request_timeout_s,
+                    s.resume_grace_s, s.kafka_fetch_wait_ms)
+    try:
+        async with asyncio.timeout(s.kafka_timeout_s):
+            await replay.start()
+    except Exception as exc:
+        await replay.close()
+        raise APIError(503, "The message broker is unavailable; try again shortly.", code="broker_unavailable",
+                       retry_after=2) from exc
+    events = (chat_stream(replay, fe.fmt, after) if kind == "chat"
+              else completion_stream(replay, fe.fmt, bool(record.echo_texts), after))
+    return SSEResponse(events, {"x-request-id": rid, "x-ferry-resumable": "1"})  # type: ignore[return-value]
 
 
 @_handler("models")
@@ -406,13 +519,15 @@ def create_app(settings: FrontendSettings) -> Starlette:
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions/{id}/stream", resume_stream, methods=["GET"]),
+            Route("/v1/completions/{id}/stream", resume_stream, methods=["GET"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
-            *admin.routes(_handler),
             *batch_routes(),
+            *admin.routes(_handler),
         ],
         lifespan=lifespan,
         exception_handlers={404: not_found, 405: method_not_allowed, Exception: internal_error},

@@ -7,16 +7,17 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from schemas.kafka import Chunk, ErrorInfo, GenerateRequest
+from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, GenerateRequest
 from server.errors import APIError
 from server.kafka_io import Dispatcher, ReplyDemux
 from server.metrics import FrontendMetrics
 from server.pool import WorkerPool
 from server.preprocess import Prepared
+from server.resume import ResumeStore
 from server.router import AllBusy, Decision, PromptMemo, Router
-from server.streams import ClientStream, Sequence
+from server.streams import ClientStream, Sequence, StreamSpec, marker
 
 log = logging.getLogger("ferry.frontend")
 
@@ -35,6 +36,12 @@ class Services:
     request_timeout_s: float
     keepalive_s: float
     busy_wait_s: float = 5.0
+    migration_limit: int = 3
+    # Resumable streams (server/resume.py): where their records live, and how long one runs unattended.
+    resume: ResumeStore | None = None
+    resume_grace_s: float = 30.0
+    # Generations whose client left but which keep running for a resumed reader; cancelled at shutdown.
+    detached: set[asyncio.Task[None]] = field(default_factory=set)
 
 
 def new_id(prefix: str) -> str:
@@ -43,21 +50,52 @@ def new_id(prefix: str) -> str:
 
 
 class Generation:
-    """Fans a prepared request out to workers and yields their chunks until every sequence ends."""
+    """Fans a prepared request out to workers and yields their chunks until every sequence ends.
 
-    def __init__(self, svc: Services, model: str, prepared: Prepared, request_id: str) -> None:
+    A sequence whose worker dies moves to another worker (up to `migration_limit` times) with the
+    tokens it already produced, and its chunks continue where they stopped. A resumable generation
+    whose client leaves keeps running unattended (see `close`).
+    """
+
+    def __init__(
+        self, svc: Services, model: str, prepared: Prepared, request_id: str, resumable: bool = False
+    ) -> None:
         self.svc = svc
         self.model = model
         self.prepared = prepared
         self.id = request_id
-        self.stream = ClientStream(request_id)
+        self.resumable = resumable
+        self.stream = ClientStream(request_id, on_lost=self._worker_lost)
         self.created = int(time.time())
         self.started_at = time.perf_counter()
         self.first_token_at: float | None = None
         self._last_token_at = 0.0
         self.predicted_cached_blocks = 0
+        # Replies-topic offset at or before this request's first chunk (for a resume record).
+        self.first_offset = 0
+        self.deadline = 0.0
         self._submitted: list[Sequence] = []
         self._closed = False
+        self._detached = False
+        self._failed = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def spec(self) -> StreamSpec:
+        """What shapes the response besides the chunks."""
+        p = self.prepared
+        return StreamSpec(
+            n=p.n,
+            prompt_lens=[len(x) for x in p.prompts],
+            include_usage=p.include_usage,
+            logprobs=p.sampling.logprobs is not None,
+            prompt_texts=p.prompt_texts,
+        )
+
+    @property
+    def metrics(self) -> FrontendMetrics:
+        """Where this request's tokens are counted."""
+        return self.svc.metrics
 
     @property
     def worker_ids(self) -> list[str]:
@@ -84,25 +122,35 @@ class Generation:
             self._submitted.clear()
             raise
         self.svc.demux.register(self.stream)
-        deadline = time.time() + self.svc.request_timeout_s
+        self.first_offset = self.svc.demux.position
+        self.deadline = time.time() + self.svc.request_timeout_s
         try:
             for seq in self.stream.sequences.values():
-                req = GenerateRequest(
-                    request_id=seq.request_id,
-                    model=self.model,
-                    prompt_token_ids=p.prompts[seq.prompt_index],
-                    max_tokens=p.max_tokens,
-                    reply_topic=self.svc.reply_topic,
-                    sampling=p.sampling,
-                    index=seq.choice,
-                    priority=p.priority,
-                    deadline=deadline,
-                    frontend_id=self.svc.frontend_id,
-                )
-                await self.svc.dispatcher.submit(seq.worker_id, req)
+                await self.svc.dispatcher.submit(seq.worker_id, self._request(seq))
         except BaseException:
+            self.resumable = False
             await self.close()
             raise
+
+    def _request(self, seq: Sequence, generated: list[int] | None = None) -> GenerateRequest:
+        """The GenerateRequest of one sequence; with `generated`, of its next attempt."""
+        p = self.prepared
+        prior = generated or []
+        return GenerateRequest(
+            request_id=seq.request_id,
+            model=self.model,
+            prompt_token_ids=p.prompts[seq.prompt_index],
+            max_tokens=p.max_tokens - len(prior),
+            reply_topic=self.svc.reply_topic,
+            sampling=p.sampling,
+            index=seq.choice,
+            priority=p.priority,
+            deadline=self.deadline,
+            generated_token_ids=prior,
+            attempt=seq.attempt,
+            frontend_id=self.svc.frontend_id,
+            seq_base=seq.next_seq,
+        )
 
     async def _choose(self, memo: PromptMemo) -> Decision:
         """A routing decision, waiting (bounded) while every worker is over a busy threshold."""
@@ -129,11 +177,12 @@ class Generation:
                 metrics.busy_waits.labels("served").inc()
             return decision
 
-    async def chunks(self) -> AsyncIterator[list[tuple[Sequence, Chunk]]]:
-        """Batches of chunks as they arrive; an empty batch means `keepalive_s` passed without any."""
+    async def chunks(self, idle_s: float | None = None) -> AsyncIterator[list[tuple[Sequence, Chunk]]]:
+        """Batches of chunks as they arrive; an empty batch means `idle_s` (the keep-alive) passed."""
+        wait_s = self.svc.keepalive_s if idle_s is None else idle_s
         idle_since = time.monotonic()
-        while not (self.stream.finished and not self.stream._items):
-            batch = await self.stream.get(self.svc.keepalive_s)
+        while not self.stream.drained:
+            batch = await self.stream.get(wait_s)
             now = time.monotonic()
             if batch:
                 idle_since = now
@@ -149,15 +198,14 @@ class Generation:
                 for seq, chunk in batch:
                     if chunk.token_ids and not seq.decision.prefilled:
                         self.svc.router.prefilled(seq.decision)
+                    if chunk.error is not None:
+                        self._failed = True
                     if chunk.finish_reason is not None:
                         self._release(seq)
             elif now - idle_since > self.svc.request_timeout_s:
                 for seq in self.stream.unfinished():
-                    self.stream.fail(
-                        seq.request_id,
-                        ErrorInfo("timeout", f"no progress from worker {seq.worker_id} for "
-                                  f"{self.svc.request_timeout_s:.0f}s", retriable=True),
-                    )
+                    wait = self.svc.request_timeout_s
+                    self._fail(seq, f"no progress from worker {seq.worker_id} for {wait:.0f}s", "timeout")
                 continue
             yield batch
 
@@ -166,11 +214,136 @@ class Generation:
             self._submitted.remove(seq)
             self.svc.router.finished(seq.decision)
 
+    # ---- migration -------------------------------------------------------------------------------
+
+    def _worker_lost(self, seq: Sequence) -> None:
+        """The sequence's worker left the registry: move the sequence elsewhere (in the background)."""
+        if self._closed or seq.finished:
+            return
+        task = asyncio.create_task(self._migrate(seq), name=f"migrate-{seq.request_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _migrate(self, seq: Sequence) -> None:
+        try:
+            await self._move(seq)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("migrating %s failed", seq.request_id)
+            self._fail(seq, f"could not move the sequence: {exc!r}")
+
+    async def _move(self, seq: Sequence) -> None:
+        """Send the prompt and the tokens so far to another worker; its chunks continue the stream."""
+        old = seq.decision.worker_id
+        limit = self.svc.migration_limit
+        if seq.attempt >= limit:
+            self._fail(
+                seq,
+                f"worker {old} stopped responding; the sequence already moved {seq.attempt} time(s) "
+                f"(migration limit {limit})",
+            )
+            return
+        prompt = self.prepared.prompts[seq.prompt_index]
+        try:
+            decision = await self._choose(PromptMemo(prompt + seq.token_ids))
+        except APIError as exc:
+            self._fail(
+                seq, f"worker {old} stopped responding and no other worker can take over: {exc.message}"
+            )
+            return
+        if seq.finished or self._closed or seq not in self._submitted:
+            return
+        # Load moves with the sequence (no await between the check above and these lines).
+        self.svc.router.finished(seq.decision)
+        self.svc.router.started(decision)
+        seq.decision = decision
+        target = seq.attempt + 1
+        # The marker goes into the replies topic first: from where it lands, only chunks of the new
+        # attempt count, for this stream and for any replay of it. Wait until it came back.
+        seq.switched.clear()
+        try:
+            await self.svc.dispatcher.note(
+                self.svc.reply_topic, marker(seq.request_id, target, decision.worker_id)
+            )
+            async with asyncio.timeout(self.svc.request_timeout_s):
+                while seq.attempt < target and not seq.finished:
+                    await seq.switched.wait()
+                    seq.switched.clear()
+        except (APIError, TimeoutError) as exc:
+            self._fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc!r}")
+            return
+        if seq.finished:
+            return  # the old worker's last chunk landed before the marker
+        generated = list(seq.token_ids)
+        if len(generated) >= self.prepared.max_tokens:
+            # Every token arrived but not the final chunk: end it here, as the worker would have.
+            usage = ChunkUsage(seq.prompt_len, len(generated))
+            self._end(
+                seq,
+                Chunk(
+                    seq.request_id,
+                    seq.next_seq,
+                    finish_reason="length",
+                    usage=usage,
+                    worker_id=old,
+                    attempt=seq.attempt,
+                ),
+            )
+            return
+        log.warning(
+            "moving %s from worker %s to %s (attempt %d, %d token(s) so far)",
+            seq.request_id,
+            old,
+            decision.worker_id,
+            target,
+            len(generated),
+        )
+        try:
+            await self.svc.dispatcher.submit(decision.worker_id, self._request(seq, generated))
+        except APIError as exc:
+            self._fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc.message}")
+
+    def _fail(self, seq: Sequence, message: str, code: str = "worker_died") -> None:
+        """End a sequence with a (retriable) error of the frontend's own."""
+        self._end(seq, self.stream.ending(seq.request_id, ErrorInfo(code, message, retriable=True)))
+
+    def _end(self, seq: Sequence, chunk: Chunk | None) -> None:
+        """End a sequence with a chunk of the frontend's own; a resumable stream records it in Kafka."""
+        if chunk is None:
+            return
+        self.stream.put(chunk)
+        if self.resumable:
+            task = asyncio.create_task(self._note(chunk), name=f"note-{seq.request_id}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _note(self, chunk: Chunk) -> None:
+        try:
+            await self.svc.dispatcher.note(self.svc.reply_topic, chunk)
+        except APIError:
+            log.warning("could not record the end of %s for resumed readers", chunk.request_id)
+
+    # ---- the end -----------------------------------------------------------------------------------
+
     async def close(self) -> None:
-        """Cancel whatever is still running (client gone or error) and stop receiving chunks."""
+        """The reader is done: cancel whatever still runs, unless a resumable stream should go on.
+
+        A resumable stream whose client left while it was running keeps going unattended (its chunks
+        are kept in Kafka for a resumed reader) for `resume_grace_s`, and as long after as a resumed
+        reader is attached anywhere; then it is cancelled like any other.
+        """
         if self._closed:
             return
+        if self.resumable and not self._detached and not self._failed and not self.stream.finished:
+            self._detached = True
+            task = asyncio.create_task(self._unattended(), name=f"unattended-{self.id}")
+            self.svc.detached.add(task)
+            task.add_done_callback(self.svc.detached.discard)
+            return
         self._closed = True
+        for t in list(self._tasks):
+            t.cancel()
         self.svc.demux.unregister(self.stream)
         pending = list(self._submitted)
         for seq in pending:
@@ -183,6 +356,28 @@ class Generation:
                     return_exceptions=True,
                 )
             )
+
+    async def _unattended(self) -> None:
+        """Run on without a client until done or nobody resumed it within the grace period."""
+        grace = self.svc.resume_grace_s
+        give_up = time.monotonic() + grace
+        try:
+            async for _ in self.chunks(idle_s=min(grace, self.svc.keepalive_s) / 2):
+                if time.monotonic() < give_up:
+                    continue
+                resume = self.svc.resume
+                if resume is not None and await resume.attached(self.id):
+                    give_up = time.monotonic() + grace
+                    continue
+                log.info("nobody resumed %s within %.0fs; cancelling it", self.id, grace)
+                break
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("unattended stream %s failed", self.id)
+        finally:
+            self.resumable = False
+            await self.close()
 
 
 def error_status(error: ErrorInfo) -> APIError:

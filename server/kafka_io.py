@@ -10,7 +10,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
-from schemas.kafka import Cancel, ErrorInfo, GenerateRequest, reply_decoder, request_encoder
+from schemas.kafka import Cancel, Chunk, ErrorInfo, GenerateRequest, reply_decoder, request_encoder
 from schemas.names import request_topic
 from server.errors import APIError
 from server.metrics import FrontendMetrics
@@ -46,13 +46,36 @@ class Dispatcher:
                 log.error("Kafka did not take a request (%r); answering 503 until it does", exc)
                 self._broker_ok = False
             raise APIError(
-                503, "The message broker is unavailable; try again shortly.", code="broker_unavailable",
+                503,
+                "The message broker is unavailable; try again shortly.",
+                code="broker_unavailable",
                 retry_after=2,
             ) from exc
         if not self._broker_ok:
             log.info("Kafka is taking requests again")
             self._broker_ok = True
         self._metrics.kafka_produce_seconds.observe(time.perf_counter() - t0)
+
+    async def note(self, topic: str, chunk: Chunk) -> None:
+        """Write a chunk of the frontend's own into a replies topic (a migration marker, an ending).
+
+        Replies topics are the record a resumed stream is rebuilt from, so what the frontend decides
+        about a sequence goes there too. Raises APIError (503) like `submit` if the broker does not
+        acknowledge it in time.
+        """
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._producer.send_and_wait(
+                    topic, request_encoder.encode(chunk), key=chunk.request_id.encode(), partition=0
+                )
+        except (KafkaError, TimeoutError) as exc:
+            self._metrics.kafka_errors.inc()
+            raise APIError(
+                503,
+                "The message broker is unavailable; try again shortly.",
+                code="broker_unavailable",
+                retry_after=2,
+            ) from exc
 
     async def cancel(self, worker_id: str, request_id: str) -> None:
         """Ask a worker to abort a request; best effort (the worker also drops late requests)."""
@@ -78,6 +101,8 @@ class ReplyDemux:
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
         self.failed: BaseException | None = None
+        # Offset of the next record to read: every chunk of a request sent from now on lies at or after it.
+        self.position = 0
 
     async def start(self) -> None:
         """Create the topic and position at its end before any request can be sent."""
@@ -97,7 +122,7 @@ class ReplyDemux:
         self._consumer.assign([tp])
         await self._consumer.seek_to_end(tp)
         # Resolve the end offset now: a lazy seek could skip replies to the first requests.
-        await self._consumer.position(tp)
+        self.position = await self._consumer.position(tp)
         self._task = asyncio.create_task(self._run(), name="reply-demux")
 
     async def stop(self) -> None:
@@ -121,14 +146,20 @@ class ReplyDemux:
             self._by_request.pop(rid, None)
 
     def fail_worker(self, worker_id: str, error: ErrorInfo) -> list[str]:
-        """End every sequence running on `worker_id` with `error`; returns their request ids."""
-        failed = []
+        """Hand every sequence running on `worker_id` to its stream's migration, else end it with `error`.
+
+        Returns the request ids of those sequences.
+        """
+        lost = []
         for rid, stream in list(self._by_request.items()):
             seq = stream.sequences.get(rid)
             if seq is not None and seq.worker_id == worker_id and not seq.finished:
-                stream.fail(rid, error)
-                failed.append(rid)
-        return failed
+                if stream.on_lost is not None:
+                    stream.on_lost(seq)
+                else:
+                    stream.fail(rid, error)
+                lost.append(rid)
+        return lost
 
     async def _run(self) -> None:
         assert self._consumer is not None
@@ -137,6 +168,7 @@ class ReplyDemux:
                 batches = await self._consumer.getmany(timeout_ms=1000, max_records=2048)
                 for records in batches.values():
                     for record in records:
+                        self.position = record.offset + 1
                         try:
                             chunk = reply_decoder.decode(record.value)
                         except Exception as exc:

@@ -1,11 +1,17 @@
-"""Turning worker chunks into OpenAI responses and stream events, for chat and text completions."""
+"""Turning worker chunks into OpenAI responses and stream events, for chat and text completions.
+
+Stream events are a function of the accepted chunks alone (one event per chunk that carries text,
+logprobs or a finish reason, never merged by arrival timing), numbered from 0 in their SSE `id:`. A
+stream rebuilt from Kafka for a resuming client therefore numbers its events exactly as the original
+did, and `after` skips those the client already has.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, TokenLogprob
 from schemas.openai import (
@@ -30,7 +36,7 @@ from schemas.openai import (
 from server.generation import Generation, error_status
 from server.model_files import ModelFiles
 from server.sse import DONE, KEEPALIVE, event
-from server.streams import Sequence
+from server.streams import ChunkSource, Sequence
 
 _encode = json_encoder.encode
 
@@ -50,9 +56,9 @@ def _finish(reason: str | None) -> str | None:
     return "stop" if reason == "abort" else reason
 
 
-def total_usage(gen: Generation, states: dict[int, ChoiceState]) -> Usage:
+def total_usage(gen: ChunkSource, states: dict[int, ChoiceState]) -> Usage:
     """Usage of a whole request: each prompt counted once, completions summed."""
-    return usage_of([len(p) for p in gen.prepared.prompts], gen.prepared.n, states)
+    return usage_of(gen.spec.prompt_lens, gen.spec.n, states)
 
 
 def usage_of(prompt_lens: list[int], n: int, states: dict[int, ChoiceState]) -> Usage:
@@ -81,15 +87,16 @@ def _error_event(error: ErrorInfo) -> bytes:
     return event(_encode(ErrorResponse(detail)))
 
 
-def _record(gen: Generation, state: ChoiceState, chunks: list[Chunk]) -> None:
+def _record(gen: ChunkSource, state: ChoiceState, chunks: list[Chunk]) -> None:
     for c in chunks:
         if c.finish_reason is not None:
             state.finish_reason = c.finish_reason
         if c.usage is not None:
             state.usage = c.usage
-            m = gen.svc.metrics
-            m.completion_tokens.inc(c.usage.completion_tokens)
-            m.cached_tokens.inc(c.usage.cached_tokens)
+            m = gen.metrics
+            if m is not None:
+                m.completion_tokens.inc(c.usage.completion_tokens)
+                m.cached_tokens.inc(c.usage.cached_tokens)
 
 
 class LogprobFormatter:
@@ -138,39 +145,46 @@ class ChoiceDelta:
 
 
 async def _deltas(
-    gen: Generation, states: dict[int, ChoiceState]
+    gen: ChunkSource, states: dict[int, ChoiceState]
 ) -> AsyncIterator[ChoiceDelta | ErrorInfo | None]:
-    """Per-choice deltas as chunks arrive; None when idle (send a keep-alive); an error ends it."""
+    """One delta per chunk with output, in topic order; None when idle (send a keep-alive); an error ends it."""
     async for batch in gen.chunks():
         if not batch:
             yield None
             continue
-        for choice, chunks in _group(batch).items():
-            _record(gen, states[choice], chunks)
-            last = chunks[-1]
-            if last.error is not None:
-                yield last.error
+        for seq, c in batch:
+            _record(gen, states[seq.choice], [c])
+            if c.error is not None:
+                yield c.error
                 return
-            text = "".join(c.text for c in chunks)
-            entries = [e for c in chunks for e in c.logprobs]
-            if text or entries or last.finish_reason is not None:
-                yield ChoiceDelta(choice, text, entries, last.finish_reason)
+            if c.text or c.logprobs or c.finish_reason is not None:
+                yield ChoiceDelta(seq.choice, c.text, c.logprobs, c.finish_reason)
 
 
 # ---- chat ----------------------------------------------------------------------------------------
 
 
-async def chat_stream(gen: Generation, fmt: LogprobFormatter) -> AsyncIterator[bytes]:
-    """`chat.completion.chunk` events, `usage` last when asked for, then `[DONE]`."""
-    p = gen.prepared
-    usage_field = None if p.include_usage else UNSET
-    states = {c: ChoiceState() for c in range(p.n)}
+async def chat_stream(gen: ChunkSource, fmt: LogprobFormatter, after: int = -1) -> AsyncIterator[bytes]:
+    """`chat.completion.chunk` events, `usage` last when asked for, then `[DONE]`; ids <= `after` are skipped."""
+    spec = gen.spec
+    usage_field = None if spec.include_usage else UNSET
+    states = {c: ChoiceState() for c in range(spec.n)}
     eid = 0
+
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | UnsetType | None = usage_field) -> bytes:
+        return event(
+            _encode(
+                ChatCompletionChunk(
+                    id=gen.id, created=gen.created, model=gen.model, choices=choices, usage=usage
+                )
+            ),
+            eid,
+        )
+
     try:
-        for c in range(p.n):
-            role = ChatChunkChoice(c, Delta(role="assistant", content=""))
-            yield event(_encode(ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.model,
-                                                    choices=[role], usage=usage_field)), eid)
+        for c in range(spec.n):
+            if eid > after:
+                yield chunk([ChatChunkChoice(c, Delta(role="assistant", content=""))])
             eid += 1
         async for d in _deltas(gen, states):
             if d is None:
@@ -180,15 +194,13 @@ async def chat_stream(gen: Generation, fmt: LogprobFormatter) -> AsyncIterator[b
                 yield _error_event(d)
                 yield DONE
                 return
-            logprobs = fmt.chat(d.logprobs) if p.sampling.logprobs is not None else None
-            delta = Delta(content=d.text) if d.text or d.finish_reason is None else Delta()
-            out = ChatChunkChoice(d.choice, delta, logprobs, _finish(d.finish_reason))
-            yield event(_encode(ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.model,
-                                                    choices=[out], usage=usage_field)), eid)
+            if eid > after:
+                logprobs = fmt.chat(d.logprobs) if spec.logprobs else None
+                delta = Delta(content=d.text) if d.text or d.finish_reason is None else Delta()
+                yield chunk([ChatChunkChoice(d.choice, delta, logprobs, _finish(d.finish_reason))])
             eid += 1
-        if p.include_usage:
-            yield event(_encode(ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.model, choices=[],
-                                                    usage=total_usage(gen, states))), eid)
+        if spec.include_usage and eid > after:
+            yield chunk([], total_usage(gen, states))
         yield DONE
     finally:
         await gen.close()
@@ -208,9 +220,9 @@ def absorb(state: ChoiceState, chunks: list[Chunk]) -> ErrorInfo | None:
     return None
 
 
-async def collect(gen: Generation) -> dict[int, ChoiceState]:
+async def collect(gen: ChunkSource) -> dict[int, ChoiceState]:
     """Every choice's whole output; raises APIError if a sequence failed."""
-    total = len(gen.prepared.prompts) * gen.prepared.n
+    total = len(gen.spec.prompt_lens) * gen.spec.n
     states = {c: ChoiceState() for c in range(total)}
     async for batch in gen.chunks():
         for choice, chunks in _group(batch).items():
@@ -226,13 +238,27 @@ async def chat_full(gen: Generation, fmt: LogprobFormatter) -> ChatCompletion:
     """A whole `chat.completion`."""
     states = await collect(gen)
     p = gen.prepared
-    return chat_completion(gen.id, gen.created, gen.model, states, fmt, p.sampling.logprobs is not None,
-                           [len(x) for x in p.prompts], p.n)
+    return chat_completion(
+        gen.id,
+        gen.created,
+        gen.model,
+        states,
+        fmt,
+        p.sampling.logprobs is not None,
+        [len(x) for x in p.prompts],
+        p.n,
+    )
 
 
 def chat_completion(
-    rid: str, created: int, model: str, states: dict[int, ChoiceState], fmt: LogprobFormatter, logprobs: bool,
-    prompt_lens: list[int], n: int,
+    rid: str,
+    created: int,
+    model: str,
+    states: dict[int, ChoiceState],
+    fmt: LogprobFormatter,
+    logprobs: bool,
+    prompt_lens: list[int],
+    n: int,
 ) -> ChatCompletion:
     """The `chat.completion` body of finished choices (also what a batch item's output line carries)."""
     choices = [
@@ -244,32 +270,40 @@ def chat_completion(
         )
         for c, s in sorted(states.items())
     ]
-    return ChatCompletion(id=rid, created=created, model=model, choices=choices,
-                          usage=usage_of(prompt_lens, n, states))
+    return ChatCompletion(
+        id=rid, created=created, model=model, choices=choices, usage=usage_of(prompt_lens, n, states)
+    )
 
 
 # ---- text completions ----------------------------------------------------------------------------
 
 
-async def completion_stream(gen: Generation, fmt: LogprobFormatter, echo: bool) -> AsyncIterator[bytes]:
-    """`text_completion` chunk events, `usage` last when asked for, then `[DONE]`."""
-    p = gen.prepared
+async def completion_stream(
+    gen: ChunkSource, fmt: LogprobFormatter, echo: bool, after: int = -1
+) -> AsyncIterator[bytes]:
+    """`text_completion` chunk events, `usage` last when asked for, then `[DONE]`; ids <= `after` are skipped."""
+    p = gen.spec
     usage_field = None if p.include_usage else UNSET
-    total = len(p.prompts) * p.n
+    total = len(p.prompt_lens) * p.n
     states = {c: ChoiceState() for c in range(total)}
     offsets = {c: 0 for c in range(total)}
     eid = 0
 
-    def chunk(choices: list[CompletionChoice], usage: object = usage_field) -> bytes:
-        return event(_encode(Completion(id=gen.id, created=gen.created, model=gen.model, choices=choices,
-                                        usage=usage)), eid)  # type: ignore[arg-type]
+    def chunk(choices: list[CompletionChoice], usage: Usage | UnsetType | None = usage_field) -> bytes:
+        return event(
+            _encode(
+                Completion(id=gen.id, created=gen.created, model=gen.model, choices=choices, usage=usage)
+            ),
+            eid,
+        )
 
     try:
         if echo:
             for c in range(total):
                 text = p.prompt_texts[c // p.n]
                 offsets[c] = len(text)
-                yield chunk([CompletionChoice(c, text)])
+                if eid > after:
+                    yield chunk([CompletionChoice(c, text)])
                 eid += 1
         async for d in _deltas(gen, states):
             if d is None:
@@ -279,11 +313,12 @@ async def completion_stream(gen: Generation, fmt: LogprobFormatter, echo: bool) 
                 yield _error_event(d)
                 yield DONE
                 return
-            logprobs = fmt.completion(d.logprobs, offsets[d.choice]) if p.sampling.logprobs is not None else None
+            if eid > after:
+                logprobs = fmt.completion(d.logprobs, offsets[d.choice]) if p.logprobs else None
+                yield chunk([CompletionChoice(d.choice, d.text, logprobs, _finish(d.finish_reason))])
             offsets[d.choice] += len(d.text)
-            yield chunk([CompletionChoice(d.choice, d.text, logprobs, _finish(d.finish_reason))])
             eid += 1
-        if p.include_usage:
+        if p.include_usage and eid > after:
             yield chunk([], total_usage(gen, states))
         yield DONE
     finally:
@@ -294,13 +329,29 @@ async def completion_full(gen: Generation, fmt: LogprobFormatter, echo: bool) ->
     """A whole `text_completion`."""
     p = gen.prepared
     states = await collect(gen)
-    return text_completion(gen.id, gen.created, gen.model, states, fmt, p.sampling.logprobs is not None,
-                           [len(x) for x in p.prompts], p.n, p.prompt_texts if echo else None)
+    return text_completion(
+        gen.id,
+        gen.created,
+        gen.model,
+        states,
+        fmt,
+        p.sampling.logprobs is not None,
+        [len(x) for x in p.prompts],
+        p.n,
+        p.prompt_texts if echo else None,
+    )
 
 
 def text_completion(
-    rid: str, created: int, model: str, states: dict[int, ChoiceState], fmt: LogprobFormatter, logprobs: bool,
-    prompt_lens: list[int], n: int, echo_texts: list[str] | None,
+    rid: str,
+    created: int,
+    model: str,
+    states: dict[int, ChoiceState],
+    fmt: LogprobFormatter,
+    logprobs: bool,
+    prompt_lens: list[int],
+    n: int,
+    echo_texts: list[str] | None,
 ) -> Completion:
     """The `text_completion` body of finished choices; `echo_texts` puts each prompt in front."""
     choices = []
@@ -308,5 +359,6 @@ def text_completion(
         prefix = echo_texts[c // n] if echo_texts else ""
         lps = fmt.completion(s.logprobs, len(prefix)) if logprobs else None
         choices.append(CompletionChoice(c, prefix + "".join(s.text), lps, _finish(s.finish_reason)))
-    return Completion(id=rid, created=created, model=model, choices=choices,
-                      usage=usage_of(prompt_lens, n, states))
+    return Completion(
+        id=rid, created=created, model=model, choices=choices, usage=usage_of(prompt_lens, n, states)
+    )

@@ -1,13 +1,25 @@
-"""Per-client-request mailboxes that the reply consumer fills and response handlers drain."""
+"""Per-client-request mailboxes that the reply consumer fills and response handlers drain.
+
+Which chunks count is a pure function of their order in the replies topic (one partition): a live
+stream and a stream replayed from Kafka for a resuming client accept exactly the same chunks, so they
+produce the same SSE events with the same ids. The frontend's own decisions that change what counts
+(a sequence moving to another worker, a sequence it ends itself) are written into the topic too.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from schemas.kafka import Chunk, ErrorInfo
+from server.metrics import FrontendMetrics
 from server.router import Decision
+
+# Sequence number of a migration marker: below every real chunk's, so it never becomes output.
+MARKER_SEQ = -1
 
 
 @dataclass
@@ -21,6 +33,10 @@ class Sequence:
     prompt_len: int
     next_seq: int = 0
     finished: bool = False
+    # The attempt whose chunks count (0 = first worker; +1 per migration) and what it has produced.
+    attempt: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    switched: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def worker_id(self) -> str:
@@ -28,37 +44,82 @@ class Sequence:
         return self.decision.worker_id
 
 
+@dataclass(frozen=True)
+class StreamSpec:
+    """What shapes a request's response besides its chunks."""
+
+    n: int
+    prompt_lens: list[int]
+    include_usage: bool = False
+    logprobs: bool = False
+    prompt_texts: list[str] = field(default_factory=list)
+
+
+def marker(request_id: str, attempt: int, worker_id: str) -> Chunk:
+    """The chunk that switches a sequence over to `attempt` (on `worker_id`)."""
+    return Chunk(request_id, MARKER_SEQ, worker_id=worker_id, attempt=attempt)
+
+
 @dataclass
 class ClientStream:
-    """Everything the workers send for one client request, in arrival order, merged when the reader lags."""
+    """Everything the workers send for one client request, in arrival order."""
 
     id: str
     sequences: dict[str, Sequence] = field(default_factory=dict)
     _items: deque[tuple[Sequence, Chunk]] = field(default_factory=deque)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
+    # Called when a sequence's worker died (set by the owning Generation: it migrates the sequence).
+    on_lost: Callable[[Sequence], None] | None = None
 
     def put(self, chunk: Chunk) -> None:
-        """Accept one chunk from Kafka; duplicates (already seen seq numbers) are dropped."""
+        """Accept one chunk from Kafka; duplicates and chunks of superseded attempts are dropped."""
         seq = self.sequences.get(chunk.request_id)
-        if seq is None or seq.finished or chunk.seq < seq.next_seq:
+        if seq is None or seq.finished:
+            return
+        if chunk.attempt != seq.attempt:
+            if chunk.attempt < seq.attempt:
+                return  # from a worker the sequence already moved away from
+            # The first chunk of a newer attempt is its marker, written before the request was sent.
+            seq.attempt = chunk.attempt
+            seq.switched.set()
+        if chunk.seq < seq.next_seq:
             return
         seq.next_seq = chunk.seq + 1
+        seq.token_ids.extend(chunk.token_ids)
         if chunk.finish_reason is not None:
             seq.finished = True
         self._items.append((seq, chunk))
         self._ready.set()
 
-    def fail(self, request_id: str, error: ErrorInfo) -> None:
-        """End one sequence with an error that did not come from its worker."""
+    def ending(self, request_id: str, error: ErrorInfo) -> Chunk | None:
+        """The chunk that ends one sequence with an error that did not come from its worker."""
         seq = self.sequences.get(request_id)
         if seq is None or seq.finished:
-            return
-        self.put(Chunk(request_id, seq.next_seq, finish_reason="error", error=error, worker_id=seq.worker_id))
+            return None
+        return Chunk(
+            request_id,
+            seq.next_seq,
+            finish_reason="error",
+            error=error,
+            worker_id=seq.worker_id,
+            attempt=seq.attempt,
+        )
+
+    def fail(self, request_id: str, error: ErrorInfo) -> None:
+        """End one sequence with an error that did not come from its worker."""
+        chunk = self.ending(request_id, error)
+        if chunk is not None:
+            self.put(chunk)
 
     @property
     def finished(self) -> bool:
         """True once every sequence has its final chunk (it may still be unread)."""
         return all(s.finished for s in self.sequences.values())
+
+    @property
+    def drained(self) -> bool:
+        """True once every sequence ended and every chunk was read."""
+        return self.finished and not self._items
 
     def unfinished(self) -> list[Sequence]:
         """Sequences still running on a worker."""
@@ -78,3 +139,28 @@ class ClientStream:
         items = list(self._items)
         self._items.clear()
         return items
+
+
+class ChunkSource(Protocol):
+    """What the response writers read: a live Generation, or a stream replayed from Kafka."""
+
+    id: str
+    created: int
+    model: str
+
+    @property
+    def spec(self) -> StreamSpec:
+        """What shapes the response besides the chunks."""
+        ...
+
+    @property
+    def metrics(self) -> FrontendMetrics | None:
+        """Where to count tokens; None for a replay (the live request counted them already)."""
+        ...
+
+    def chunks(self) -> AsyncIterator[list[tuple[Sequence, Chunk]]]:
+        """Batches of accepted chunks; an empty batch means a keep-alive is due."""
+        ...
+
+    async def close(self) -> None:
+        """The reader is done (finished, failed or gone)."""

@@ -8,6 +8,7 @@ import functools
 import logging
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable
 
 import redis.asyncio as aioredis
@@ -42,6 +43,8 @@ from workers.pool_consumer import PoolConsumer
 log = logging.getLogger("ferry.worker")
 
 HEARTBEAT_MISSES = 3
+# Routed requests remembered for deduplication: a redelivered one is not run (and answered) twice.
+SEEN_REQUESTS = 65536
 READY_MARK = "ferry-worker-ready"
 
 
@@ -67,6 +70,8 @@ class Worker:
         self.metrics = WorkerMetrics()
         self.topic = request_topic(settings.worker_id)
         self._inflight: dict[str, asyncio.Task[None]] = {}
+        # (request id, attempt) of routed requests started lately, oldest first (bounded).
+        self._seen: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
         self._draining = False
@@ -267,12 +272,18 @@ class Worker:
             return
         match msg:
             case GenerateRequest():
-                if msg.request_id in self._inflight:
-                    return  # redelivered: already running
+                key = (msg.request_id, msg.attempt)
+                if msg.request_id in self._inflight or key in self._seen:
+                    # Redelivered (a producer retry, a re-read after a restart): already running or done.
+                    self.metrics.requests.labels("duplicate").inc()
+                    return
                 if msg.deadline and msg.deadline < time.time():
                     log.info("request %s arrived after its deadline; skipped", msg.request_id)
                     self.metrics.requests.labels("expired").inc()
                     return
+                self._seen[key] = None
+                if len(self._seen) > SEEN_REQUESTS:
+                    self._seen.popitem(last=False)
                 self._start(msg)
             case Cancel():
                 if msg.request_id in self._inflight:
@@ -326,7 +337,9 @@ class Worker:
     async def _serve(self, req: GenerateRequest) -> None:
         """Run one sequence and send every delta back as a Chunk."""
         wid = self.settings.worker_id
-        seq = 0
+        # A migrated request continues the sequence numbers its stream already used.
+        seq = req.seq_base
+        attempt = req.attempt
         generated = len(req.generated_token_ids)
         self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         try:
@@ -352,12 +365,15 @@ class Worker:
                         usage=usage,
                         worker_id=wid,
                         logprobs=out.logprobs,
+                        attempt=attempt,
                     ),
                 )
                 seq += 1
             if not finished:
                 # The engine ended the sequence without a reason: it was aborted (client cancel).
-                await self._send(req, Chunk(req.request_id, seq, finish_reason="abort", worker_id=wid))
+                await self._send(
+                    req, Chunk(req.request_id, seq, finish_reason="abort", worker_id=wid, attempt=attempt)
+                )
                 self.metrics.requests.labels("aborted").inc()
             else:
                 self.metrics.requests.labels("finished").inc()
@@ -367,7 +383,7 @@ class Worker:
                     req,
                     Chunk(
                         req.request_id, seq, finish_reason="error", worker_id=wid,
-                        error=self._stop_error,
+                        error=self._stop_error, attempt=attempt,
                     ),
                 )
             )
@@ -380,7 +396,7 @@ class Worker:
                 req,
                 Chunk(
                     req.request_id, seq, finish_reason="error", worker_id=wid,
-                    error=ErrorInfo(exc.code, str(exc), exc.retriable),
+                    error=ErrorInfo(exc.code, str(exc), exc.retriable), attempt=attempt,
                 ),
             )
             self.metrics.requests.labels("error").inc()
@@ -391,6 +407,7 @@ class Worker:
                 Chunk(
                     req.request_id, seq, finish_reason="error", worker_id=wid,
                     error=ErrorInfo("internal_error", f"{type(exc).__name__}: {exc}", retriable=True),
+                    attempt=attempt,
                 ),
             )
             self.metrics.requests.labels("error").inc()
@@ -401,6 +418,11 @@ class Worker:
 
     async def _send(self, req: GenerateRequest, chunk: Chunk) -> None:
         """Queue one chunk for the request's reply topic (waits while the outbox is full)."""
+        if self.pool is not None:
+            merged = self.pool.coalesce(req, chunk)  # batch sequences send their output once, whole
+            if merged is None:
+                return
+            chunk = merged
         await self._outbox.put(self._encode(req, chunk))
 
     async def _send_ack(self, topic: str, ack: LoraAck) -> None:

@@ -1,0 +1,166 @@
+"""Resumable streams: where a request's chunks are (Redis), and reading them back from Kafka.
+
+A client that opted in (header `x-ferry-resumable: 1`) and lost its connection reconnects with
+`GET /v1/chat/completions/{id}/stream` (or `/v1/completions/{id}/stream`) and `Last-Event-ID`. Any
+frontend replica can answer: the record says which replies topic holds the chunks and from which
+offset; the chunks are read again from there with the same acceptance rules as the live stream
+(server/streams.py), so the rebuilt events carry the same ids, and those up to `Last-Event-ID` are
+skipped. The reader then follows the topic live until the request ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from schemas.kafka import Chunk, ErrorInfo, reply_decoder
+from schemas.names import RedisKeys
+from schemas.streams import StreamRecord, stream_record_decoder, stream_record_encoder
+from server.metrics import FrontendMetrics
+from server.router import Decision
+from server.streams import ClientStream, Sequence, StreamSpec
+
+log = logging.getLogger("ferry.frontend")
+
+
+class ResumeStore:
+    """StreamRecords in Redis, and the marks of attached resumed readers."""
+
+    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, ttl_s: float, grace_s: float) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._ttl_ms = max(1, int(ttl_s * 1000))
+        self._grace_ms = max(1, int(grace_s * 1000))
+
+    async def save(self, request_id: str, record: StreamRecord) -> None:
+        """Remember where a request's chunks are, for `ttl_s`."""
+        await self._redis.set(
+            self._keys.stream(request_id), stream_record_encoder.encode(record), px=self._ttl_ms
+        )
+
+    async def load(self, request_id: str) -> StreamRecord | None:
+        """The record of a resumable request, or None if unknown or expired."""
+        raw = await self._redis.get(self._keys.stream(request_id))
+        if raw is None:
+            return None
+        return stream_record_decoder.decode(raw.encode() if isinstance(raw, str) else raw)
+
+    async def attach(self, request_id: str) -> None:
+        """Mark a reader attached for one grace period (refresh it more often than that)."""
+        await self._redis.set(self._keys.stream_reader(request_id), b"1", px=self._grace_ms)
+
+    async def attached(self, request_id: str) -> bool:
+        """True while some frontend has a resumed reader on the request."""
+        try:
+            return bool(await self._redis.exists(self._keys.stream_reader(request_id)))
+        except Exception as exc:
+            # Without Redis nobody can tell: keep the request running rather than cut off a reader.
+            log.warning("cannot tell whether %s has a reader (%r); assuming it does", request_id, exc)
+            return True
+
+
+def parse_last_event_id(value: str | None) -> int:
+    """The id of the last event the client has; -1 when it has none (start from the first)."""
+    if value is None or not value.strip():
+        return -1
+    try:
+        return int(value.strip())
+    except ValueError:
+        return -2  # malformed: the caller answers 400
+
+
+class Replay:
+    """A request's chunks read back from its replies topic: a ChunkSource like a live Generation."""
+
+    def __init__(
+        self,
+        request_id: str,
+        record: StreamRecord,
+        bootstrap: str,
+        store: ResumeStore,
+        keepalive_s: float,
+        idle_timeout_s: float,
+        grace_s: float,
+        fetch_wait_ms: int = 5,
+    ) -> None:
+        self.id = request_id
+        self.created = record.created
+        self.model = record.model
+        self.record = record
+        self.spec = StreamSpec(
+            n=record.n,
+            prompt_lens=record.prompt_lens,
+            include_usage=record.include_usage,
+            logprobs=record.logprobs,
+            prompt_texts=record.echo_texts,
+        )
+        self.metrics: FrontendMetrics | None = None
+        self.stream = ClientStream(request_id)
+        total = len(record.prompt_lens) * record.n
+        for k in range(total):
+            rid = f"{request_id}.{k}"
+            self.stream.sequences[rid] = Sequence(
+                rid, k, k // record.n, Decision(""), record.prompt_lens[k // record.n]
+            )
+        self._store = store
+        self._keepalive_s = keepalive_s
+        self._idle_timeout_s = idle_timeout_s
+        self._refresh_s = grace_s / 3
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=fetch_wait_ms
+        )
+        self._started = False
+
+    async def start(self) -> None:
+        """Position at the request's first chunk."""
+        await self._store.attach(self.id)
+        await self._consumer.start()
+        self._started = True
+        tp = TopicPartition(self.record.topic, 0)
+        self._consumer.assign([tp])
+        self._consumer.seek(tp, self.record.offset)
+
+    async def chunks(self) -> AsyncIterator[list[tuple[Sequence, Chunk]]]:
+        """Accepted chunks in topic order; [] when `keepalive_s` passed without any."""
+        idle_since = attached_at = pinged = time.monotonic()
+        wait_ms = max(1, int(min(self._keepalive_s, self._refresh_s) * 1000))
+        while not self.stream.drained:
+            batches = await self._consumer.getmany(timeout_ms=wait_ms, max_records=2048)
+            for records in batches.values():
+                for record in records:
+                    try:
+                        chunk = reply_decoder.decode(record.value)
+                    except Exception:
+                        continue
+                    self.stream.put(chunk)
+            batch = await self.stream.get(0)
+            now = time.monotonic()
+            if now - attached_at >= self._refresh_s:
+                attached_at = now
+                try:
+                    await self._store.attach(self.id)
+                except Exception as exc:
+                    log.warning("could not mark the reader of %s attached: %r", self.id, exc)
+            if batch:
+                idle_since = pinged = now
+                yield batch
+            elif now - idle_since >= self._idle_timeout_s:
+                for seq in self.stream.unfinished():
+                    self.stream.fail(
+                        seq.request_id,
+                        ErrorInfo("timeout", f"no progress for {self._idle_timeout_s:.0f}s", retriable=True),
+                    )
+            elif now - pinged >= self._keepalive_s:
+                pinged = now
+                yield []
+
+    async def close(self) -> None:
+        """Stop reading."""
+        if self._started:
+            self._started = False
+            await asyncio.shield(self._consumer.stop())

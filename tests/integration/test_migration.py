@@ -1,0 +1,213 @@
+"""A worker killed mid-stream (SIGKILL, real processes): the sequence moves on and the client never notices.
+
+Also: a request delivered twice to a worker runs once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+
+from kvstore.registry import Registry
+from schemas.kafka import SamplingParams, reply_decoder
+from schemas.names import RedisKeys
+from server.services import Child
+from tests.harness import Harness, harness, sse_events, worker_process
+from tests.integration.test_worker import Client
+
+pytestmark = pytest.mark.integration
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest_asyncio.fixture
+async def h(kafka: str, redis_url: str, prefix: str, model_path: Path) -> AsyncIterator[Harness]:
+    async with harness(kafka, redis_url, prefix, model_path) as hh:
+        yield hh
+
+
+def body(**kw: object) -> dict[str, object]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me about ferries"}],
+        "max_tokens": 120,
+        "ignore_eos": True,
+        "seed": 11,
+        **kw,
+    }
+
+
+async def start_workers(
+    n: int, kafka: str, redis_url: str, prefix: str, model_path: Path
+) -> dict[str, Child]:
+    # Real time steps (speedup 1): a 120-token answer takes long enough to kill its worker midway.
+    ids = [f"mig-{i}-{prefix.rstrip(':')}" for i in range(n)]
+    children = await asyncio.gather(
+        *(worker_process(wid, kafka, redis_url, prefix, model_path, "--speedup", "1") for wid in ids)
+    )
+    return dict(zip(ids, children, strict=True))
+
+
+async def stop_all(children: dict[str, Child]) -> None:
+    await asyncio.gather(*(c.stop() for c in children.values()), return_exceptions=True)
+
+
+async def busy_worker(redis_url: str, prefix: str, among: set[str], wait_s: float = 10) -> str:
+    """The worker among `among` whose heartbeat reports a running sequence."""
+    redis = aioredis.from_url(redis_url)
+    try:
+        registry = Registry(redis, RedisKeys(prefix))
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            live, _ = await registry.snapshot()
+            for w in live:
+                if w.worker_id in among and w.running > 0:
+                    return w.worker_id
+            await asyncio.sleep(0.05)  # heartbeat-driven state: poll it
+        raise AssertionError("no worker reported the running sequence")
+    finally:
+        await redis.aclose()
+
+
+def text_of(events: list[tuple[str | None, str]]) -> str:
+    out = []
+    for _id, data in events:
+        if data == "[DONE]":
+            continue
+        for ch in json.loads(data).get("choices", []):
+            out.append(ch["delta"].get("content", ""))
+    return "".join(out)
+
+
+async def test_killed_worker_stream_continues_as_one_stream(
+    h: Harness, kafka: str, redis_url: str, prefix: str, model_path: Path
+) -> None:
+    children = await start_workers(2, kafka, redis_url, prefix, model_path)
+    try:
+        fe, url = await h.add_frontend()
+        opts = {"stream": True, "stream_options": {"include_usage": True}}
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            async with c.stream("POST", "/v1/chat/completions", json=body(**opts)) as r:
+                reference = [e async for e in sse_events(r)]
+            async with c.stream("POST", "/v1/chat/completions", json=body(**opts)) as r:
+                victim = r.headers["x-ferry-worker"]
+                events: list[tuple[str | None, str]] = []
+                async with asyncio.timeout(30):  # never a hang
+                    async for e in sse_events(r):
+                        events.append(e)
+                        if len(events) == 10:
+                            children[victim].kill()
+            # The whole answer is the same too, when it is collected rather than streamed.
+            whole = (await c.post("/v1/chat/completions", json=body())).json()
+        assert not any('"error"' in d for _, d in events), events[-3:]
+        assert text_of(events) == text_of(reference)
+        # One stream: event ids 0, 1, 2, ... without a gap or a repeat.
+        ids = [int(i) for i, _ in events if i is not None]
+        assert ids == list(range(len(ids)))
+        usage = json.loads(events[-2][1])["usage"]
+        assert usage == json.loads(reference[-2][1])["usage"]
+        assert usage["completion_tokens"] == 120
+        finals = [json.loads(d)["choices"][0]["finish_reason"] for _, d in events[:-2]]
+        assert finals[-1] == "length" and finals[:-1] == [None] * (len(finals) - 1)
+        assert whole["choices"][0]["message"]["content"] == text_of(reference)
+        assert fe.metrics.worker_failures._value.get() == 1  # it did move
+    finally:
+        await stop_all(children)
+
+
+async def test_migration_limit_exhausted_ends_with_error_event(
+    h: Harness, kafka: str, redis_url: str, prefix: str, model_path: Path
+) -> None:
+    children = await start_workers(3, kafka, redis_url, prefix, model_path)
+    try:
+        _fe, url = await h.add_frontend(migration_limit=1)
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            async with c.stream("POST", "/v1/chat/completions", json=body(max_tokens=400, stream=True)) as r:
+                first = r.headers["x-ferry-worker"]
+                events: list[str] = []
+                killed: list[str] = []
+                async with asyncio.timeout(30):
+                    async for _id, data in sse_events(r):
+                        events.append(data)
+                        if len(events) == 5:
+                            children[first].kill()
+                            killed.append(first)
+                        elif len(killed) == 1 and len(events) > 5 and '"content"' in data:
+                            # Output flows again: the sequence moved. Kill its second worker as well.
+                            second = await busy_worker(redis_url, prefix, set(children) - set(killed))
+                            children[second].kill()
+                            killed.append(second)
+        assert len(killed) == 2
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == "worker_died"
+        assert "migration limit 1" in err["message"]
+    finally:
+        await stop_all(children)
+
+
+async def test_no_worker_left_non_streaming_is_5xx(
+    h: Harness, kafka: str, redis_url: str, prefix: str, model_path: Path
+) -> None:
+    children = await start_workers(1, kafka, redis_url, prefix, model_path)
+    try:
+        _fe, url = await h.add_frontend()
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            pending = asyncio.create_task(c.post("/v1/chat/completions", json=body(max_tokens=1000)))
+            victim = await busy_worker(redis_url, prefix, set(children))
+            children[victim].kill()
+            async with asyncio.timeout(30):
+                r = await pending
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "worker_died"
+        assert "no other worker" in r.json()["error"]["message"]
+    finally:
+        await stop_all(children)
+
+
+async def test_request_delivered_twice_runs_once(h: Harness, kafka: str) -> None:
+    w = await h.add_worker()
+    wid = w.worker.settings.worker_id
+    client = Client(kafka)
+    await client.start()
+    try:
+        req = client.request(list(range(40)), max_tokens=5, sampling=SamplingParams(ignore_eos=True))
+        await client.send(wid, req)
+        first = (await client.until_finished({req.request_id}))[req.request_id]
+        assert sum(len(c.token_ids) for c in first) == 5
+        # The same message again after it finished (a producer retry, a re-read after a restart) ...
+        await client.send(wid, req)
+        # ... and a marker request behind it on the same partition: once that one is done, the
+        # duplicate has certainly been read.
+        after = client.request(list(range(40, 80)), max_tokens=2)
+        await client.send(wid, after)
+        seen: list[str] = []
+        async with asyncio.timeout(20):
+            while after.request_id not in seen:
+                batches = await client.consumer.getmany(timeout_ms=200)
+                seen += [reply_decoder.decode(r.value).request_id for rs in batches.values() for r in rs]
+        assert req.request_id not in seen
+        assert w.worker.metrics.requests.labels("duplicate")._value.get() == 1
+        # A migrated attempt of the same request is new work, not a duplicate.
+        tokens = [t for c in first for t in c.token_ids]
+        moved = msgspec.structs.replace(
+            req, attempt=1, generated_token_ids=tokens[:2], max_tokens=3, seq_base=2
+        )
+        await client.send(wid, moved)
+        chunks = (await client.until_finished({req.request_id}))[req.request_id]
+        assert [c.seq for c in chunks] == [2, 3, 4]
+        assert {c.attempt for c in chunks} == {1}
+        assert sum(len(c.token_ids) for c in chunks) == 3
+        assert [t for c in chunks for t in c.token_ids] == tokens[2:]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    finally:
+        await client.stop()
