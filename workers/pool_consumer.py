@@ -23,13 +23,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import KafkaError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvstore.batch_store import BatchStore
-from schemas.kafka import GenerateRequest, PoolItem, pool_decoder
+from schemas.kafka import Chunk, GenerateRequest, PoolItem, pool_decoder
 from schemas.names import pool_group, pool_topic
 from schemas.settings import WorkerSettings
 from workers.engine import Engine
@@ -119,11 +120,18 @@ class PoolMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.items = Counter(
-            "ferry_worker_pool_items", "Batch items taken from the pool by outcome", ["outcome"], registry=registry
+            "ferry_worker_pool_items",
+            "Batch items taken from the pool by outcome",
+            ["outcome"],
+            registry=registry,
         )
         self.inflight = Gauge("ferry_worker_pool_inflight", "Batch sequences running", registry=registry)
-        self.paused = Gauge("ferry_worker_pool_paused", "1 while the pool is paused for lack of room", registry=registry)
-        self.commits = Counter("ferry_worker_pool_commits", "Offset commits of pool partitions", registry=registry)
+        self.paused = Gauge(
+            "ferry_worker_pool_paused", "1 while the pool is paused for lack of room", registry=registry
+        )
+        self.commits = Counter(
+            "ferry_worker_pool_commits", "Offset commits of pool partitions", registry=registry
+        )
 
 
 class PoolConsumer:
@@ -141,6 +149,9 @@ class PoolConsumer:
         self._tracks: dict[TopicPartition, PartitionTrack] = {}
         self._runs: dict[str, _ItemRun] = {}
         self._sequences = 0
+        # Batch sequences running here, and the chunks each produced so far (see `coalesce`).
+        self._pool_requests: set[str] = set()
+        self._partial: dict[str, list[Chunk]] = {}
         self._stopped: set[str] = set()
         self._taking = True
         self._room = asyncio.Event()
@@ -179,7 +190,9 @@ class PoolConsumer:
                 room = self._room_for()
                 self._set_paused(consumer, room <= 0)
                 try:
-                    batches = await consumer.getmany(timeout_ms=200 if room > 0 else 0, max_records=max(1, room))
+                    batches = await consumer.getmany(
+                        timeout_ms=200 if room > 0 else 0, max_records=max(1, room)
+                    )
                 except KafkaError as exc:
                     log.warning("pool fetch failed: %r", exc)
                     batches = {}
@@ -262,6 +275,7 @@ class PoolConsumer:
             return
         tasks: list[asyncio.Task[None]] = []
         for req in item.requests:
+            self._pool_requests.add(req.request_id)
             task = self.host.start_request(req) or self.host.running_task(req.request_id)
             if task is not None:
                 tasks.append(task)
@@ -284,6 +298,9 @@ class PoolConsumer:
 
     def _finish(self, run: _ItemRun) -> None:
         self._runs.pop(run.item.item_id, None)
+        for req in run.item.requests:
+            self._pool_requests.discard(req.request_id)
+            self._partial.pop(req.request_id, None)
         self._sequences -= len(run.tasks)
         self.metrics.inflight.set(self._sequences)
         interrupted = self.host.failed or any(t.cancelled() for t in run.tasks)
@@ -296,6 +313,28 @@ class PoolConsumer:
                 track.done(offset)
             self._commit_wanted.set()
         self._room.set()
+
+    def coalesce(self, req: GenerateRequest, chunk: Chunk) -> Chunk | None:
+        """A batch sequence's output in one chunk: None while it runs, everything at its end.
+
+        Nobody reads a batch item token by token, and one Kafka record per token per sequence is most
+        of what a busy batch costs the worker, the broker and the frontend; interactive requests share
+        those. Other requests' chunks pass through unchanged.
+        """
+        if req.request_id not in self._pool_requests:
+            return chunk
+        parts = self._partial.setdefault(req.request_id, [])
+        parts.append(chunk)
+        if chunk.finish_reason is None:
+            return None
+        del self._partial[req.request_id]
+        return msgspec.structs.replace(
+            chunk,
+            seq=0,
+            token_ids=[t for c in parts for t in c.token_ids],
+            text="".join(c.text for c in parts),
+            logprobs=[e for c in parts for e in c.logprobs],
+        )
 
     # ---- stopped batches -------------------------------------------------------------------------
 
@@ -365,6 +404,8 @@ class PoolConsumer:
             self._tracks[tp] = PartitionTrack()
         log.info(
             "worker %s takes batch work from %s partitions %s",
-            self.settings.worker_id, self.topic, sorted(tp.partition for tp in assigned),
+            self.settings.worker_id,
+            self.topic,
+            sorted(tp.partition for tp in assigned),
         )
         self.joined.set()

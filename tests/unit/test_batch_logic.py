@@ -187,3 +187,20 @@ def test_pool_room_is_only_spare_capacity() -> None:
     host.failed = False
     pool.stop_taking()
     assert pool._room_for() == 0
+
+
+def test_batch_sequences_send_their_output_once() -> None:
+    pool = PoolConsumer(WorkerSettings(), _Host(_Engine(_stats())), store=None, registry=CollectorRegistry())  # type: ignore[arg-type]
+    batch_req = GenerateRequest("b:0/0", MODEL, [1], 4, "results")
+    other = GenerateRequest("chatcmpl-x.0", MODEL, [1], 4, "replies")
+    pool._pool_requests.add(batch_req.request_id)
+    assert pool.coalesce(batch_req, Chunk("b:0/0", 0, [5], "a")) is None
+    assert pool.coalesce(batch_req, Chunk("b:0/1", 1, [6], "b")) is None
+    passed = Chunk("chatcmpl-x.0", 0, [7], "z")
+    assert pool.coalesce(other, passed) is passed
+    whole = pool.coalesce(
+        batch_req, Chunk("b:0/0", 2, [7], "c", finish_reason="stop", usage=ChunkUsage(1, 3))
+    )
+    assert whole is not None
+    assert (whole.seq, whole.token_ids, whole.text, whole.finish_reason) == (0, [5, 6, 7], "abc", "stop")
+    assert whole.usage == ChunkUsage(1, 3) and not pool._partial
