@@ -156,6 +156,17 @@ def plot(results: dict[str, Any], ttft_path: Path, cache_path: Path) -> list[Pat
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
         if kind == "trace":
+            ref = [
+                r["ttft_ms"]["p90"]
+                for r in runs
+                if r["run"] == "trace@unloaded" and r["system"] == "ferry round_robin" and r["ttft_ms"]["p90"]
+            ]
+            if ref:
+                ax.axhline(
+                    ref[0], color="gray", linewidth=1, linestyle="-.", label="round_robin unloaded p90"
+                )
+                ax.axhline(3 * ref[0], color="gray", linewidth=1, linestyle=":", label="3x that (loaded)")
+                ax.legend(fontsize=8)
             ax.set_xlabel("request rate (req/s)")
             ax.set_title("Mooncake conversation trace (scaled): TTFT vs. load", fontsize=10)
         else:
