@@ -88,6 +88,7 @@ class Frontend:
         )
         self.started = int(time.time())
         self.inflight = 0
+        self.draining = False  # set on SIGTERM (server/frontend_main.py): finish open work, take no new
         self.svc: Services | None = None
         self.lora_admin: LoraAdmin | None = None  # LoRA load/unload (server/admin.py), once running
         self.background: set[asyncio.Future[None]] = set()
@@ -232,6 +233,10 @@ class Frontend:
 
     def admit(self) -> None:
         """Refuse work over the concurrency limit."""
+        if self.draining:
+            raise APIError(
+                503, "This frontend is shutting down; try again shortly.", code="shutting_down", retry_after=1
+            )
         # `inflight` already counts this request.
         if self.inflight > self.settings.max_concurrent_requests:
             raise APIError(503, "The server is at capacity; try again shortly.", code="overloaded", retry_after=1)
@@ -467,7 +472,9 @@ async def ready(request: Request) -> Response:
     model = request.query_params.get("model", fe.settings.served_model_name)
     workers = fe.svc.pool.live(model) if fe.svc else []
     body = {"ready": bool(workers), "model": model, "workers": [w.worker_id for w in workers]}
-    return JSONResponse(body, status_code=200 if workers else 503)
+    if fe.draining:
+        body = {**body, "ready": False, "draining": True}
+    return JSONResponse(body, status_code=200 if workers and not fe.draining else 503)
 
 
 async def metrics(request: Request) -> Response:

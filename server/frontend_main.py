@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -19,10 +21,27 @@ READY_MARK = "ferry-frontend-ready"
 class ReadyServer(uvicorn.Server):
     """uvicorn with an awaitable 'socket is bound' event (its own startup log comes before binding)."""
 
-    def __init__(self, config: uvicorn.Config, announce: bool = False) -> None:
+    def __init__(
+        self, config: uvicorn.Config, announce: bool = False, on_exit: Callable[[], None] | None = None
+    ) -> None:
         super().__init__(config)
         self.bound = asyncio.Event()
         self._announce = announce
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """SIGTERM/SIGINT: tell the app first (it refuses new work), then let uvicorn drain."""
+        if self._on_exit is not None:
+            self._on_exit()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        """As uvicorn, but a drain that completed after SIGTERM/SIGINT exits 0 instead of re-raising it."""
+        with super().capture_signals():
+            yield
+            # Reached only when serving ended normally, i.e. the drain finished: a clean exit.
+            self._captured_signals.clear()
 
     async def startup(self, sockets: Any = None) -> None:
         """Start as uvicorn does, then signal that connections are accepted."""
@@ -40,8 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    app = create_app(settings)
     config = uvicorn.Config(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         loop="uvloop",
@@ -51,5 +71,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Open streams get this long to finish after SIGTERM.
         timeout_graceful_shutdown=30,
     )
-    ReadyServer(config, announce=True).run()
+
+    def drain() -> None:
+        # uvicorn stops listening at once; a request that still reaches the app gets 503 shutting_down.
+        app.state.frontend.draining = True
+
+    ReadyServer(config, announce=True, on_exit=drain).run()
     return 0
