@@ -32,7 +32,7 @@ from typing import Any
 
 from bench.overhead import PhaseResult, chat_body, machine_info, ms
 from bench.sse_client import Connection, StreamStats, stream_stats
-from bench.stack import FerryStack
+from bench.stack import FerryStack, children_of, process_cpu_seconds
 from schemas.settings import DEFAULT_MODEL_NAME
 from server.services import Child, free_port
 
@@ -56,6 +56,17 @@ class Server:
     host: str
     port: int
     stop: Any  # async callable
+    # The process that was started; it and all its descendants make up the system (for CPU accounting).
+    root_pid: int = 0
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds used so far by the system's processes (broker, Redis, EngineCore included)."""
+        pids, todo = [], [self.root_pid]
+        while todo:
+            pid = todo.pop()
+            pids.append(pid)
+            todo.extend(children_of(pid))
+        return sum(process_cpu_seconds(p) or 0.0 for p in pids)
 
 
 async def start_ferry(timeout_s: float) -> tuple[Server, FerryStack]:
@@ -65,7 +76,7 @@ async def start_ferry(timeout_s: float) -> tuple[Server, FerryStack]:
         "--max-model-len", str(MAX_MODEL_LEN), "--ready-timeout-s", str(timeout_s),
     ]  # fmt: skip
     stack = await FerryStack.start(workers=1, speedup=1.0, extra=extra, timeout_s=timeout_s)
-    return Server("ferry", stack.host, stack.port, stack.stop), stack
+    return Server("ferry", stack.host, stack.port, stack.stop, stack.child.proc.pid), stack
 
 
 async def start_vllm(model_dir: Path, timeout_s: float) -> Server:
@@ -89,7 +100,7 @@ async def start_vllm(model_dir: Path, timeout_s: float) -> Server:
     async def stop() -> None:
         await child.stop(30)
 
-    return Server("vllm", "127.0.0.1", port, stop)
+    return Server("vllm", "127.0.0.1", port, stop, child.proc.pid)
 
 
 async def run_cell(
@@ -142,7 +153,12 @@ class Cell:
     def pooled(self, name: str, concurrency: int) -> PhaseResult:
         """All rounds as one phase: every request's stats, the summed wall time."""
         stats = [s for r in self.rounds for s in r.stats]
-        return PhaseResult(name, concurrency, stats, sum(r.wall_s for r in self.rounds))
+        pooled = PhaseResult(name, concurrency, stats, sum(r.wall_s for r in self.rounds))
+        cpu = sum(r.extra.get("cpu_s", 0.0) for r in self.rounds)
+        pooled.extra["cpu_s"] = round(cpu, 2)
+        # What a token costs in CPU, whatever share of the machine the system got meanwhile.
+        pooled.extra["cpu_ms_per_token"] = round(1000 * cpu / pooled.tokens, 2) if pooled.tokens else None
+        return pooled
 
 
 async def measure(
@@ -164,8 +180,10 @@ async def measure(
             for name in order:
                 srv = servers[name]
                 body = functools.partial(_prompt, base, max_tokens)
+                cpu0 = srv.cpu_seconds()
                 stats, wall = await run_cell(srv, c, c * waves, cell_s, timeout_s, body)
                 phase = PhaseResult(f"{name}@{c}", c, stats, wall)
+                phase.extra["cpu_s"] = srv.cpu_seconds() - cpu0
                 cells[(name, c)].rounds.append(phase)
                 s = phase.summary(max_tokens)
                 print(
@@ -204,6 +222,11 @@ def report(cells: dict[tuple[str, int], Cell], levels: list[int], max_tokens: in
                 if per_round
                 else None,
                 "added_ttft_p50_ms": ms(added),
+                "cpu_per_token_ratio": (
+                    round(summary["ferry"]["cpu_ms_per_token"] / summary["vllm"]["cpu_ms_per_token"], 3)
+                    if summary["ferry"]["cpu_ms_per_token"] and summary["vllm"]["cpu_ms_per_token"]
+                    else None
+                ),
                 "added_ttft_p50_ms_round_median": ms(statistics.median(added_rounds))
                 if added_rounds
                 else None,
@@ -228,18 +251,23 @@ def report(cells: dict[tuple[str, int], Cell], levels: list[int], max_tokens: in
 def print_table(result: dict[str, Any]) -> None:
     """The results as a plain-text table."""
     print()
-    print(f"{'c':>3} {'system':>6} {'ok':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8}")
+    print(
+        f"{'c':>3} {'system':>6} {'ok':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+        f"{'CPU ms/tok':>10}"
+    )
     for row in result["rows"]:
         for name in SYSTEMS:
             s = row[name]
             print(
                 f"{row['concurrency']:>3} {name:>6} {s['ok']:>3}/{s['requests']:<3} {s['tokens_per_s']!s:>8} "
-                f"{s['ttft_ms']['p50']!s:>9} {s['ttft_ms']['p99']!s:>9} {s['itl_ms']['p50']!s:>8}"
+                f"{s['ttft_ms']['p50']!s:>9} {s['ttft_ms']['p99']!s:>9} {s['itl_ms']['p50']!s:>8} "
+                f"{s['cpu_ms_per_token']!s:>10}"
             )
         print(
             f"    ferry/vllm throughput {row['throughput_ratio']} (round median "
             f"{row['throughput_ratio_round_median']}), added TTFT p50 {row['added_ttft_p50_ms']} ms "
-            f"(round median {row['added_ttft_p50_ms_round_median']} ms)"
+            f"(round median {row['added_ttft_p50_ms_round_median']} ms), CPU per token "
+            f"{row['cpu_per_token_ratio']}x"
         )
     t = result["targets"]
     print(
