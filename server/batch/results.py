@@ -38,11 +38,13 @@ _STALE_S = 60.0
 
 
 class _Joined(ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(self, event: asyncio.Event) -> None:
+    def __init__(self, event: asyncio.Event, on_revoked: Callable[[], None]) -> None:
         self.event = event
+        self.on_revoked = on_revoked
 
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
-        pass
+        if revoked:
+            self.on_revoked()
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         self.event.set()
@@ -89,7 +91,7 @@ class ResultCollector:
             max_poll_records=2048,
         )
         await self._consumer.start()
-        self._consumer.subscribe([self.topic], listener=_Joined(self.joined))
+        self._consumer.subscribe([self.topic], listener=_Joined(self.joined, self._forget_open))
         self._task = asyncio.create_task(self._run(), name="batch-results")
 
     async def stop(self) -> None:
@@ -212,12 +214,21 @@ class ResultCollector:
         self._open.pop(item, None)
         self._metas.pop(item, None)
 
+    def _forget_open(self) -> None:
+        """The partition moves: whoever gets it reads the open items' chunks again from our last commit."""
+        self._open.clear()
+        self._metas.clear()
+        self._next.clear()
+
     async def _commit(self) -> None:
         assert self._consumer is not None
         if not self._next:
             return
         oldest = min((s.first_offset for s in self._open.values()), default=None)
         points = {}
+        assigned = self._consumer.assignment()
+        for tp in [tp for tp in self._next if tp not in assigned]:
+            del self._next[tp]  # moved to another frontend, which reads from our last commit
         for tp, nxt in self._next.items():
             # One results partition in practice (workers write to partition 0); open items hold it back.
             points[tp] = nxt if oldest is None else min(nxt, oldest)
