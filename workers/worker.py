@@ -343,12 +343,13 @@ class Worker:
         generated = len(req.generated_token_ids)
         self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         try:
-            finished = False
+            finished = aborted = False
             async for out in self.engine.generate(req):
                 generated += len(out.token_ids)
                 usage = None
                 if out.finish_reason is not None:
                     finished = True
+                    aborted = out.finish_reason == "abort"
                     prompt = out.prompt_tokens or len(req.prompt_token_ids)
                     usage = ChunkUsage(prompt, generated, out.cached_tokens)
                     self.metrics.cached_tokens.inc(out.cached_tokens)
@@ -376,7 +377,8 @@ class Worker:
                 )
                 self.metrics.requests.labels("aborted").inc()
             else:
-                self.metrics.requests.labels("finished").inc()
+                # An engine that reports the abort itself (the sim engine does) ended it on a Cancel too.
+                self.metrics.requests.labels("aborted" if aborted else "finished").inc()
         except asyncio.CancelledError:
             self._outbox.put_nowait(
                 self._encode(
