@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 from openai import AsyncOpenAI
 
 from bench.routing.run import machine_info
@@ -146,9 +147,13 @@ async def interactive_phase(
     async def one(body: dict[str, Any]) -> None:
         nonlocal prompt, cached, ok
         async with sem:
-            r = await client.chat.completions.create(
-                model=model, max_tokens=args.max_tokens, extra_body={"ignore_eos": True}, **body
-            )
+            try:
+                r = await client.chat.completions.create(
+                    model=model, max_tokens=args.max_tokens, extra_body={"ignore_eos": True}, **body
+                )
+            except openai.APIError as exc:
+                print(f"interactive request failed: {exc!r}", file=sys.stderr)
+                return
         ok += 1
         if r.usage:
             prompt += r.usage.prompt_tokens
@@ -235,7 +240,7 @@ async def one_stack(order: str, args: Any, work_dir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"order": order}
     try:
         model = args.model
-        client = AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=600)
+        client = AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=2, timeout=600)
         async with httpx.AsyncClient(base_url=stack.url, timeout=600) as http:
             # Warm the path (first tokenizer use, consumer groups settling) with a tiny batch.
             await batch_phase(client, model, "warm-up", workload(1, 8, 1, 20), args)
@@ -274,6 +279,13 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def save(args: Any, results: list[dict[str, Any]]) -> None:
+    """Write what has been measured so far (each stack adds its results)."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine_info(REPO),
+                                    "results": results}, indent=2))  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run both stacks and report."""
     from schemas.settings import DEFAULT_MODEL_NAME
@@ -304,11 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ferry-bench-batch-") as tmp:
         for order in args.orders.split(","):
             results.append(asyncio.run(one_stack(order, args, Path(tmp))))
+            save(args, results)
     report = table(results)
     print(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine_info(REPO),
-                                    "results": results}, indent=2))  # fmt: skip
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
