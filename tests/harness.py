@@ -115,6 +115,26 @@ async def worker_process(
     return child
 
 
+async def frontend_process(
+    kafka: str, redis: str, prefix: str, model_path: Path, *extra: str
+) -> tuple[Child, str]:
+    """`ferry frontend` as a real child process on a free port (for tests that signal or measure it)."""
+    port = free_port()
+    child = await Child.spawn(
+        "frontend",
+        [sys.executable, "-m", "server", "frontend", "--port", str(port), "--kafka", kafka, "--redis", redis,
+         "--redis-prefix", prefix, "--model-path", str(model_path), "--frontend-id", f"fe-{uuid.uuid4().hex[:6]}",
+         "--heartbeat-interval-s", "0.2", "--log-level", "warning", *extra],
+        echo=False,
+    )  # fmt: skip
+    try:
+        await child.wait_for_line(lambda line: line.startswith("ferry-frontend-ready"), 60)
+    except BaseException:
+        await child.stop()
+        raise
+    return child, f"http://127.0.0.1:{port}"
+
+
 @contextlib.asynccontextmanager
 async def harness(kafka: str, redis: str, prefix: str, model_path: Path) -> AsyncIterator[Harness]:
     """A Harness that is always closed."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -20,9 +19,8 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from server.frontend_main import READY_MARK
-from server.services import Child, free_port
-from tests.harness import sse_events, worker_process
+from server.services import Child
+from tests.harness import frontend_process, sse_events, worker_process
 
 pytestmark = pytest.mark.integration
 
@@ -42,26 +40,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise AssertionError(f"no VmRSS for {pid}")
-
-
-async def frontend_process(
-    kafka: str, redis: str, prefix: str, model_path: Path, *extra: str
-) -> tuple[Child, str]:
-    """`ferry frontend` as a child process on a free port, once it accepts connections."""
-    port = free_port()
-    child = await Child.spawn(
-        "frontend",
-        [sys.executable, "-m", "server", "frontend", "--port", str(port), "--kafka", kafka, "--redis", redis,
-         "--redis-prefix", prefix, "--model-path", str(model_path), "--frontend-id", f"fe-{uuid.uuid4().hex[:6]}",
-         "--heartbeat-interval-s", "0.2", "--log-level", "warning", *extra],
-        echo=False,
-    )  # fmt: skip
-    try:
-        await child.wait_for_line(lambda line: line.startswith(READY_MARK), 60)
-    except BaseException:
-        await child.stop()
-        raise
-    return child, f"http://127.0.0.1:{port}"
 
 
 @pytest_asyncio.fixture
