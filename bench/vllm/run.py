@@ -188,7 +188,8 @@ async def measure(
                 s = phase.summary(max_tokens)
                 print(
                     f"round {r + 1}/{rounds} {name:>5} c={c}: {s['ok']}/{s['requests']} ok, "
-                    f"{s['tokens_per_s']} tok/s, TTFT p50 {s['ttft_ms']['p50']} ms {s['errors'] or ''}",
+                    f"{s['tokens_per_s']} tok/s, TTFT p50 {s['ttft_ms']['p50']} ms, "
+                    f"CPU {phase.extra['cpu_s']:.1f} s {s['errors'] or ''}",
                     flush=True,
                 )
     return cells
