@@ -52,10 +52,22 @@ CASES: list[tuple[str, str, bytes, int, str | None, str | None]] = [
     ("trailing-garbage", CHAT, chat() + b" x", 400, None, "invalid_json"),
     ("array-body", CHAT, b"[1, 2]", 400, None, "invalid_type"),
     ("null-body", CHAT, b"null", 400, None, "invalid_type"),
-    ("invalid-utf8", CHAT, chat(messages=[{"role": "user", "content": "@@"}]).replace(b"@@", b"\xff\xfe"), 400,
-     None, "invalid_json"),
-    ("lone-surrogate", CHAT, chat(messages=[{"role": "user", "content": "@@"}]).replace(b"@@", b"\\ud800"), 400,
-     None, "invalid_json"),
+    (
+        "invalid-utf8",
+        CHAT,
+        chat(messages=[{"role": "user", "content": "@@"}]).replace(b"@@", b"\xff\xfe"),
+        400,
+        None,
+        "invalid_json",
+    ),
+    (
+        "lone-surrogate",
+        CHAT,
+        chat(messages=[{"role": "user", "content": "@@"}]).replace(b"@@", b"\\ud800"),
+        400,
+        None,
+        "invalid_json",
+    ),
     # --- model
     ("model-missing", CHAT, chat(model=...), 400, "model", "missing_required_parameter"),
     ("model-wrong-type", CHAT, chat(model=7), 400, "model", "invalid_type"),
@@ -67,24 +79,73 @@ CASES: list[tuple[str, str, bytes, int, str | None, str | None]] = [
     ("messages-empty", CHAT, chat(messages=[]), 400, "messages", "invalid_value"),
     ("message-not-object", CHAT, messages("hi"), 400, "messages[0]", "invalid_type"),
     ("role-missing", CHAT, messages({"content": "x"}), 400, "messages[0].role", "missing_required_parameter"),
-    ("role-unknown", CHAT, messages({"role": "wizard", "content": "x"}), 400, "messages[0].role",
-     "invalid_value"),
-    ("role-unknown-later", CHAT, messages(USER[0], {"role": "function", "content": "x"}), 400,
-     "messages[1].role", "invalid_value"),
-    ("content-null", CHAT, messages({"role": "user", "content": None}), 400, "messages[0].content",
-     "invalid_value"),
+    (
+        "role-unknown",
+        CHAT,
+        messages({"role": "wizard", "content": "x"}),
+        400,
+        "messages[0].role",
+        "invalid_value",
+    ),
+    (
+        "role-unknown-later",
+        CHAT,
+        messages(USER[0], {"role": "function", "content": "x"}),
+        400,
+        "messages[1].role",
+        "invalid_value",
+    ),
+    (
+        "content-null",
+        CHAT,
+        messages({"role": "user", "content": None}),
+        400,
+        "messages[0].content",
+        "invalid_value",
+    ),
     ("content-missing", CHAT, messages({"role": "system"}), 400, "messages[0].content", "invalid_value"),
-    ("content-wrong-type", CHAT, messages({"role": "user", "content": 5}), 400, "messages[0].content",
-     "invalid_type"),
-    ("content-empty-parts", CHAT, messages({"role": "user", "content": []}), 400, "messages[0].content",
-     "invalid_value"),
-    ("content-part-unknown", CHAT, messages({"role": "user", "content": [{"type": "video", "video": "x"}]}), 400,
-     "messages[0].content[0].type", "invalid_value"),
-    ("content-part-no-text", CHAT, messages({"role": "user", "content": [{"type": "text"}]}), 400,
-     "messages[0].content[0].text", "missing_required_parameter"),
-    ("content-image", CHAT, messages({"role": "user", "content": [{"type": "image_url",
-                                                                    "image_url": {"url": "http://x/y.png"}}]}),
-     400, "messages[0].content[0]", "unsupported_content"),
+    (
+        "content-wrong-type",
+        CHAT,
+        messages({"role": "user", "content": 5}),
+        400,
+        "messages[0].content",
+        "invalid_type",
+    ),
+    (
+        "content-empty-parts",
+        CHAT,
+        messages({"role": "user", "content": []}),
+        400,
+        "messages[0].content",
+        "invalid_value",
+    ),
+    (
+        "content-part-unknown",
+        CHAT,
+        messages({"role": "user", "content": [{"type": "video", "video": "x"}]}),
+        400,
+        "messages[0].content[0].type",
+        "invalid_value",
+    ),
+    (
+        "content-part-no-text",
+        CHAT,
+        messages({"role": "user", "content": [{"type": "text"}]}),
+        400,
+        "messages[0].content[0].text",
+        "missing_required_parameter",
+    ),
+    (
+        "content-image",
+        CHAT,
+        messages(
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}
+        ),
+        400,
+        "messages[0].content[0]",
+        "unsupported_content",
+    ),
     # --- max_tokens
     ("max-tokens-negative", CHAT, chat(max_tokens=-5), 400, "max_tokens", "invalid_value"),
     ("max-tokens-zero", CHAT, chat(max_tokens=0), 400, "max_tokens", "invalid_value"),
@@ -92,12 +153,30 @@ CASES: list[tuple[str, str, bytes, int, str | None, str | None]] = [
     ("max-tokens-string", CHAT, chat(max_tokens="10"), 400, "max_tokens", "invalid_type"),
     ("max-tokens-huge", CHAT, chat(max_tokens=10**30), 400, "max_tokens", "invalid_value"),
     ("max-tokens-over-context", CHAT, chat(max_tokens=100_000), 400, "max_tokens", "context_length_exceeded"),
-    ("max-completion-tokens-negative", CHAT, chat(max_completion_tokens=-1), 400, "max_completion_tokens",
-     "invalid_value"),
-    ("completion-max-tokens-negative", COMPLETIONS, completion(max_tokens=-1), 400, "max_tokens",
-     "invalid_value"),
-    ("completion-max-tokens-over-context", COMPLETIONS, completion(max_tokens=CONTEXT), 400, "max_tokens",
-     "context_length_exceeded"),
+    (
+        "max-completion-tokens-negative",
+        CHAT,
+        chat(max_completion_tokens=-1),
+        400,
+        "max_completion_tokens",
+        "invalid_value",
+    ),
+    (
+        "completion-max-tokens-negative",
+        COMPLETIONS,
+        completion(max_tokens=-1),
+        400,
+        "max_tokens",
+        "invalid_value",
+    ),
+    (
+        "completion-max-tokens-over-context",
+        COMPLETIONS,
+        completion(max_tokens=CONTEXT),
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    ),
     # --- n
     ("n-zero", CHAT, chat(n=0), 400, "n", "invalid_value"),
     ("n-negative", CHAT, chat(n=-3), 400, "n", "invalid_value"),
@@ -107,8 +186,14 @@ CASES: list[tuple[str, str, bytes, int, str | None, str | None]] = [
     # --- other sampling fields
     ("temperature-string", CHAT, chat(temperature="hot"), 400, "temperature", "invalid_type"),
     ("temperature-too-high", CHAT, chat(temperature=2.5), 400, "temperature", "invalid_value"),
-    ("temperature-overflow", CHAT, chat(temperature=1).replace(b'"temperature": 1', b'"temperature": 1e999'), 400,
-     "temperature", "invalid_value"),
+    (
+        "temperature-overflow",
+        CHAT,
+        chat(temperature=1).replace(b'"temperature": 1', b'"temperature": 1e999'),
+        400,
+        "temperature",
+        "invalid_value",
+    ),
     ("top-p-zero", CHAT, chat(top_p=0), 400, "top_p", "invalid_value"),
     ("presence-penalty-high", CHAT, chat(presence_penalty=3), 400, "presence_penalty", "invalid_value"),
     ("top-k-negative", CHAT, chat(top_k=-5), 400, "top_k", "invalid_value"),
@@ -118,10 +203,23 @@ CASES: list[tuple[str, str, bytes, int, str | None, str | None]] = [
     ("stop-wrong-type", CHAT, chat(stop=[1]), 400, "stop[0]", "invalid_type"),
     ("stop-token-negative", CHAT, chat(stop_token_ids=[-1]), 400, "stop_token_ids[0]", "invalid_value"),
     ("stream-string", CHAT, chat(stream="yes"), 400, "stream", "invalid_type"),
-    ("stream-options-without-stream", CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options",
-     "invalid_value"),
+    (
+        "stream-options-without-stream",
+        CHAT,
+        chat(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+        "invalid_value",
+    ),
     ("top-logprobs-without-logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs", "invalid_value"),
-    ("top-logprobs-too-many", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", "invalid_value"),
+    (
+        "top-logprobs-too-many",
+        CHAT,
+        chat(logprobs=True, top_logprobs=21),
+        400,
+        "top_logprobs",
+        "invalid_value",
+    ),
     # --- completion prompts
     ("prompt-missing", COMPLETIONS, completion(prompt=...), 400, "prompt", "missing_required_parameter"),
     ("prompt-wrong-type", COMPLETIONS, completion(prompt={"text": "x"}), 400, "prompt", "invalid_type"),
@@ -132,15 +230,39 @@ CASES: list[tuple[str, str, bytes, int, str | None, str | None]] = [
     ("prompt-id-beyond-vocab", COMPLETIONS, completion(prompt=[10**6]), 400, "prompt", "invalid_value"),
     ("completion-logprobs-too-many", COMPLETIONS, completion(logprobs=21), 400, "logprobs", "invalid_value"),
     ("completion-suffix", COMPLETIONS, completion(suffix="x"), 400, "suffix", None),
-    ("completion-stream-options-without-stream", COMPLETIONS, completion(stream_options={"include_usage": True}),
-     400, "stream_options", "invalid_value"),
+    (
+        "completion-stream-options-without-stream",
+        COMPLETIONS,
+        completion(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+        "invalid_value",
+    ),
     # --- sizes
-    ("chat-over-context", CHAT, messages({"role": "user", "content": "word " * 400}), 400, "messages",
-     "context_length_exceeded"),
-    ("prompt-over-context", COMPLETIONS, completion(prompt=list(range(CONTEXT + 10))), 400, "prompt",
-     "context_length_exceeded"),
-    ("body-over-limit", CHAT, messages({"role": "user", "content": "x" * MAX_BODY}), 413, None,
-     "body_too_large"),
+    (
+        "chat-over-context",
+        CHAT,
+        messages({"role": "user", "content": "word " * 400}),
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    (
+        "prompt-over-context",
+        COMPLETIONS,
+        completion(prompt=list(range(CONTEXT + 10))),
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
+    (
+        "body-over-limit",
+        CHAT,
+        messages({"role": "user", "content": "x" * MAX_BODY}),
+        413,
+        None,
+        "body_too_large",
+    ),
 ]
 
 
@@ -148,12 +270,16 @@ CASES: list[tuple[str, str, bytes, int, str | None, str | None]] = [
 async def served(kafka: str, redis_url: str, model_path: Path) -> AsyncIterator[tuple[str, RunningWorker]]:
     """One frontend and one sim worker for the whole table (a module-wide Redis prefix of their own)."""
     async with harness(kafka, redis_url, f"t{uuid.uuid4().hex[:8]}:", model_path) as h:
-        worker = await h.add_worker(max_model_len=CONTEXT)
-        _fe, url = await h.add_frontend(max_body_bytes=MAX_BODY)
+        # Slow heartbeats: a busy machine may stall the shared event loop past the usual 1.5 s registry TTL,
+        # and a worker that seems gone turns the context-length cases into 503s.
+        worker = await h.add_worker(max_model_len=CONTEXT, heartbeat_interval_s=3.0)
+        _fe, url = await h.add_frontend(max_body_bytes=MAX_BODY, heartbeat_interval_s=3.0)
         yield url, worker
 
 
-def assert_openai_error(r: httpx.Response, status: int, param: str | None, code: str | None) -> dict[str, Any]:
+def assert_openai_error(
+    r: httpx.Response, status: int, param: str | None, code: str | None
+) -> dict[str, Any]:
     """The response is `status` with a complete OpenAI error body; returns the error."""
     assert r.status_code == status, r.text
     assert r.headers["content-type"] == "application/json"
@@ -169,10 +295,16 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None, code:
     return err
 
 
-@pytest.mark.parametrize(("path", "body", "status", "param", "code"), [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "code"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
 async def test_bad_request_gets_openai_error(
-    served: tuple[str, RunningWorker], path: str, body: bytes, status: int, param: str | None, code: str | None
+    served: tuple[str, RunningWorker],
+    path: str,
+    body: bytes,
+    status: int,
+    param: str | None,
+    code: str | None,
 ) -> None:
     url, worker = served
     seen = worker.worker.metrics.prompt_tokens._value.get()
@@ -199,3 +331,20 @@ async def test_table_stack_serves_a_good_request(served: tuple[str, RunningWorke
         r = await c.post(COMPLETIONS, content=completion(prompt=[[1, 2], [3]], max_tokens=3))
         assert r.status_code == 200, r.text
     assert worker.worker.metrics.prompt_tokens._value.get() > 0
+
+
+async def test_chunked_body_over_limit_without_content_length(served: tuple[str, RunningWorker]) -> None:
+    # No Content-Length to refuse up front: the limit holds while the body is read.
+    url, worker = served
+    seen = worker.worker.metrics.prompt_tokens._value.get()
+    body = messages({"role": "user", "content": "x" * MAX_BODY})
+
+    async def parts() -> AsyncIterator[bytes]:
+        for i in range(0, len(body), 4096):
+            yield body[i : i + 4096]
+
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        r = await c.post(CHAT, content=parts(), headers={"content-type": "application/json"})
+    assert "content-length" not in r.request.headers
+    assert_openai_error(r, 413, None, "body_too_large")
+    assert worker.worker.metrics.prompt_tokens._value.get() == seen

@@ -74,7 +74,7 @@ async def test_schemathesis_finds_no_server_error(kafka: str, redis_url: str, mo
             stderr=asyncio.subprocess.STDOUT,
         )
         try:
-            async with asyncio.timeout(TIME_BUDGET_S + 60):
+            async with asyncio.timeout(TIME_BUDGET_S + 120):
                 out, _ = await proc.communicate()
         finally:
             if proc.returncode is None:
