@@ -1,0 +1,61 @@
+"""Which chunks a client stream accepts: a pure function of their order, so a replay matches the original."""
+
+from __future__ import annotations
+
+from schemas.kafka import Chunk, ErrorInfo
+from server.router import Decision
+from server.streams import ClientStream, Sequence, marker
+
+
+def stream() -> ClientStream:
+    s = ClientStream("chatcmpl-x")
+    s.sequences["chatcmpl-x.0"] = Sequence("chatcmpl-x.0", 0, 0, Decision("w1"), 10)
+    return s
+
+
+def accepted(s: ClientStream, chunks: list[Chunk]) -> list[tuple[int, int, list[int]]]:
+    for c in chunks:
+        s.put(c)
+    return [(c.seq, c.attempt, c.token_ids) for _, c in s._items]
+
+
+RID = "chatcmpl-x.0"
+
+
+def test_duplicates_and_unknown_requests_are_dropped() -> None:
+    s = stream()
+    out = accepted(s, [Chunk(RID, 0, [1]), Chunk(RID, 0, [1]), Chunk("other.0", 0, [9]), Chunk(RID, 1, [2])])
+    assert out == [(0, 0, [1]), (1, 0, [2])]
+    assert s.sequences[RID].token_ids == [1, 2]
+
+
+def test_after_a_marker_only_the_new_attempt_counts() -> None:
+    s = stream()
+    chunks = [
+        Chunk(RID, 0, [1]),
+        Chunk(RID, 1, [2]),
+        marker(RID, 1, "w2"),
+        Chunk(RID, 2, [3]),  # late chunk of the old worker: dropped
+        Chunk(RID, 2, [3], attempt=1),
+        Chunk(RID, 3, [4], finish_reason="length", attempt=1),
+        Chunk(RID, 4, [5], attempt=1),  # after the end: dropped
+    ]
+    out = accepted(s, chunks)
+    assert out == [(0, 0, [1]), (1, 0, [2]), (2, 1, [3]), (3, 1, [4])]
+    seq = s.sequences[RID]
+    assert seq.finished and seq.attempt == 1 and seq.token_ids == [1, 2, 3, 4]
+    assert seq.switched.is_set()
+
+
+def test_replaying_the_same_topic_order_accepts_the_same_chunks() -> None:
+    chunks = [Chunk(RID, 0, [1]), marker(RID, 1, "w2"), Chunk(RID, 1, [7]), Chunk(RID, 1, [2], attempt=1)]
+    assert accepted(stream(), chunks) == accepted(stream(), list(chunks))
+
+
+def test_an_ending_of_the_frontend_continues_the_numbering() -> None:
+    s = stream()
+    s.put(Chunk(RID, 0, [1]))
+    s.fail(RID, ErrorInfo("worker_died", "gone", retriable=True))
+    _, last = s._items[-1]
+    assert (last.seq, last.finish_reason, last.error is not None) == (1, "error", True)
+    assert s.finished and s.ending(RID, ErrorInfo("x", "y")) is None
