@@ -169,6 +169,7 @@ async def measure(
     cell_s: float,
     max_tokens: int,
     timeout_s: float,
+    after_round: Callable[[dict[tuple[str, int], Cell], int], None],
 ) -> dict[tuple[str, int], Cell]:
     """Interleaved rounds: each level on both systems back to back, alternating who goes first."""
     cells = {(name, c): Cell() for name in servers for c in levels}
@@ -192,6 +193,7 @@ async def measure(
                     f"CPU {phase.extra['cpu_s']:.1f} s {s['errors'] or ''}",
                     flush=True,
                 )
+        after_round(cells, r + 1)
     return cells
 
 
@@ -312,6 +314,8 @@ async def amain(
             args.cell_seconds,
             args.max_tokens,
             args.request_timeout_s,
+            # Results so far are on disk after every round, should the run be cut short.
+            lambda cells, done: write(result_of(args, levels, cells, machine, done), Path(args.out)),
         )
     finally:
         await asyncio.gather(*(s.stop() for s in servers.values()), return_exceptions=True)
@@ -325,14 +329,19 @@ def write(result: dict[str, Any], out: Path) -> None:
     print(f"\nwrote {out}")
 
 
-def finish(
-    args: argparse.Namespace, levels: list[int], cells: dict[tuple[str, int], Cell], machine: dict[str, Any]
-) -> None:
-    """Report, print and write the results."""
+def result_of(
+    args: argparse.Namespace,
+    levels: list[int],
+    cells: dict[tuple[str, int], Cell],
+    machine: dict[str, Any],
+    rounds_done: int,
+) -> dict[str, Any]:
+    """The report with the run's configuration and machine."""
     result = report(cells, levels, args.max_tokens)
     result["config"] = {
         "command": " ".join(["python -m bench.vllm", *sys.argv[1:]]),
         "rounds": args.rounds,
+        "rounds_completed": rounds_done,
         "waves": args.waves,
         "cell_seconds": args.cell_seconds,
         "max_tokens": args.max_tokens,
@@ -349,6 +358,14 @@ def finish(
         "interleaved": "each round runs every level on both systems back to back, alternating the order",
     }
     result["machine"] = {**machine, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]}
+    return result
+
+
+def finish(
+    args: argparse.Namespace, levels: list[int], cells: dict[tuple[str, int], Cell], machine: dict[str, Any]
+) -> None:
+    """Report, print and write the results."""
+    result = result_of(args, levels, cells, machine, args.rounds)
     write(result, Path(args.out))
     print_table(result)
 
