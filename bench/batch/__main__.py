@@ -85,6 +85,7 @@ class TtftRun:
     ttfts: list[float] = field(default_factory=list)
     errors: int = 0
     batch_items_done: int = 0
+    batch_done_before: int = 0
     seconds: float = 0.0
 
     def pct(self, q: float) -> float:
@@ -218,12 +219,13 @@ async def ttft_phases(client: AsyncOpenAI, http: httpx.AsyncClient, model: str, 
         return (c.completed + c.failed) if c else 0
 
     # Start the load once the batch is really running on the workers.
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + args.phase_limit_s
     while time.monotonic() < deadline:
         if await counts() >= args.concurrency:
             break
         await asyncio.sleep(0.2)  # poll period
     before = await counts()
+    busy.batch_done_before = before
     await steady_load(http, model, 202, args, busy)
     busy.batch_items_done = await counts() - before
     b = await client.batches.retrieve(batch_id)
