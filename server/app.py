@@ -119,9 +119,11 @@ class Frontend:
                 worker_id, len(failed), s.migration_limit,
             )
             # A worker that only missed heartbeats (a pause, a Redis hiccup) is still generating: stop it.
+            # A moving sequence sends that Cancel itself, once its old worker's late chunks no longer count.
             assert self.svc is not None
-            for rid in failed:
-                self._spawn(self.svc.dispatcher.cancel(worker_id, rid))
+            for rid, moving in failed:
+                if not moving:
+                    self._spawn(self.svc.dispatcher.cancel(worker_id, rid))
 
         def on_dead(worker_id: str) -> None:
             # A worker that drained cleanly left after its last chunks were acknowledged; give the reply

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, GenerateRequest
@@ -40,7 +41,8 @@ class Services:
     # Resumable streams (server/resume.py): where their records live, and how long one runs unattended.
     resume: ResumeStore | None = None
     resume_grace_s: float = 30.0
-    # Generations whose client left but which keep running for a resumed reader; cancelled at shutdown.
+    # Work that outlives a request's reader: generations whose client left but which keep running for a
+    # resumed reader, and cancels on their way to workers. Cancelled at shutdown.
     detached: set[asyncio.Task[None]] = field(default_factory=set)
 
 
@@ -177,7 +179,7 @@ class Generation:
                 metrics.busy_waits.labels("served").inc()
             return decision
 
-    async def chunks(self, idle_s: float | None = None) -> AsyncIterator[list[tuple[Sequence, Chunk]]]:
+    async def chunks(self, idle_s: float | None = None) -> AsyncGenerator[list[tuple[Sequence, Chunk]], None]:
         """Batches of chunks as they arrive; an empty batch means `idle_s` (the keep-alive) passed."""
         wait_s = self.svc.keepalive_s if idle_s is None else idle_s
         idle_since = time.monotonic()
@@ -244,14 +246,23 @@ class Generation:
                 f"(migration limit {limit})",
             )
             return
-        prompt = self.prepared.prompts[seq.prompt_index]
-        try:
-            decision = await self._choose(PromptMemo(prompt + seq.token_ids))
-        except APIError as exc:
-            self._fail(
-                seq, f"worker {old} stopped responding and no other worker can take over: {exc.message}"
-            )
-            return
+        memo = PromptMemo(self.prepared.prompts[seq.prompt_index] + seq.token_ids)
+        # A worker may be on its way (a restart, or this one back after a late heartbeat): wait for
+        # one as long as for a busy one, then give up with a clear error.
+        give_up = time.monotonic() + self.svc.busy_wait_s
+        while True:
+            try:
+                decision = await self._choose(memo)
+                break
+            except APIError as exc:
+                remaining = give_up - time.monotonic()
+                if exc.code != "no_workers" or remaining <= 0:
+                    self._fail(
+                        seq,
+                        f"worker {old} stopped responding and no other worker can take over: {exc.message}",
+                    )
+                    return
+                await self.svc.pool.wait_refreshed(remaining)
         if seq.finished or self._closed or seq not in self._submitted:
             return
         # Load moves with the sequence (no await between the check above and these lines).
@@ -273,6 +284,9 @@ class Generation:
         except (APIError, TimeoutError) as exc:
             self._fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc!r}")
             return
+        # Only now may the old worker be stopped: its abort would otherwise have ended the sequence. (It
+        # may be alive after all, e.g. its heartbeats were late; it may even be the worker chosen now.)
+        await self.svc.dispatcher.cancel(old, seq.request_id)
         if seq.finished:
             return  # the old worker's last chunk landed before the marker
         generated = list(seq.token_ids)
@@ -305,8 +319,13 @@ class Generation:
             self._fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc.message}")
 
     def _fail(self, seq: Sequence, message: str, code: str = "worker_died") -> None:
-        """End a sequence with a (retriable) error of the frontend's own."""
+        """End a sequence with a (retriable) error of the frontend's own, and stop its worker on it."""
+        worker_id = seq.worker_id
         self._end(seq, self.stream.ending(seq.request_id, ErrorInfo(code, message, retriable=True)))
+        # Owned by the frontend, not this generation: closing it must not drop the Cancel.
+        task = asyncio.create_task(self.svc.dispatcher.cancel(worker_id, seq.request_id))
+        self.svc.detached.add(task)
+        task.add_done_callback(self.svc.detached.discard)
 
     def _end(self, seq: Sequence, chunk: Chunk | None) -> None:
         """End a sequence with a chunk of the frontend's own; a resumable stream records it in Kafka."""
@@ -362,15 +381,18 @@ class Generation:
         grace = self.svc.resume_grace_s
         give_up = time.monotonic() + grace
         try:
-            async for _ in self.chunks(idle_s=min(grace, self.svc.keepalive_s) / 2):
-                if time.monotonic() < give_up:
-                    continue
-                resume = self.svc.resume
-                if resume is not None and await resume.attached(self.id):
-                    give_up = time.monotonic() + grace
-                    continue
-                log.info("nobody resumed %s within %.0fs; cancelling it", self.id, grace)
-                break
+            async with contextlib.aclosing(
+                self.chunks(idle_s=min(grace, self.svc.keepalive_s) / 2)
+            ) as batches:
+                async for _ in batches:
+                    if time.monotonic() < give_up:
+                        continue
+                    resume = self.svc.resume
+                    if resume is not None and await resume.attached(self.id):
+                        give_up = time.monotonic() + grace
+                        continue
+                    log.info("nobody resumed %s within %.0fs; cancelling it", self.id, grace)
+                    break
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -145,10 +145,10 @@ class ReplyDemux:
         for rid in stream.sequences:
             self._by_request.pop(rid, None)
 
-    def fail_worker(self, worker_id: str, error: ErrorInfo) -> list[str]:
+    def fail_worker(self, worker_id: str, error: ErrorInfo) -> list[tuple[str, bool]]:
         """Hand every sequence running on `worker_id` to its stream's migration, else end it with `error`.
 
-        Returns the request ids of those sequences.
+        Returns the request id of each such sequence, and whether it is moving to another worker.
         """
         lost = []
         for rid, stream in list(self._by_request.items()):
@@ -158,7 +158,7 @@ class ReplyDemux:
                     stream.on_lost(seq)
                 else:
                     stream.fail(rid, error)
-                lost.append(rid)
+                lost.append((rid, stream.on_lost is not None))
         return lost
 
     async def _run(self) -> None:

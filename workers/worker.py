@@ -273,10 +273,12 @@ class Worker:
         match msg:
             case GenerateRequest():
                 key = (msg.request_id, msg.attempt)
-                if msg.request_id in self._inflight or key in self._seen:
+                if key in self._seen:
                     # Redelivered (a producer retry, a re-read after a restart): already running or done.
                     self.metrics.requests.labels("duplicate").inc()
                     return
+                if msg.request_id in self._inflight:
+                    await self._supersede(msg)
                 if msg.deadline and msg.deadline < time.time():
                     log.info("request %s arrived after its deadline; skipped", msg.request_id)
                     self.metrics.requests.labels("expired").inc()
@@ -291,6 +293,17 @@ class Worker:
                     await self.engine.abort(msg.request_id)
             case LoadLora() | UnloadLora():
                 self.lora.submit(msg)
+
+    async def _supersede(self, req: GenerateRequest) -> None:
+        """A newer attempt of a request that still runs here: a frontend thought this worker dead (a late
+        heartbeat) and moved the request, back to us. Stop the old attempt before the new one starts."""
+        old = self._inflight[req.request_id]
+        log.info("request %s: attempt %d replaces the one running here", req.request_id, req.attempt)
+        await self.engine.abort(req.request_id)
+        _, pending = await asyncio.wait([old], timeout=5.0)
+        if pending:
+            old.cancel()
+            await asyncio.gather(old, return_exceptions=True)
 
     def _start(self, req: GenerateRequest) -> asyncio.Task[None]:
         task = asyncio.create_task(self._serve(req), name=f"serve-{req.request_id}")
@@ -327,8 +340,9 @@ class Worker:
         """True once a fatal error stopped this worker."""
         return self._fatal is not None
 
-    def _done(self, request_id: str, _task: asyncio.Task[None]) -> None:
-        self._inflight.pop(request_id, None)
+    def _done(self, request_id: str, task: asyncio.Task[None]) -> None:
+        if self._inflight.get(request_id) is task:
+            del self._inflight[request_id]
         if not self._inflight:
             self.idle.set()
 

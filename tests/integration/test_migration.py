@@ -211,3 +211,34 @@ async def test_request_delivered_twice_runs_once(h: Harness, kafka: str) -> None
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
     finally:
         await client.stop()
+
+
+async def test_worker_back_after_a_late_heartbeat_takes_its_own_sequence_over(
+    h: Harness, redis_url: str, prefix: str
+) -> None:
+    # One worker, alive all along, whose registry entry vanishes once (as when heartbeats are late): the
+    # frontend moves the sequence, and the only worker to move it to is the same one, where the old
+    # attempt is still running. It must stop that one and run the new attempt: one stream, same text.
+    w = await h.add_worker(speedup=1.0)
+    wid = w.worker.settings.worker_id
+    fe, url = await h.add_frontend()
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        reference = (await c.post("/v1/chat/completions", json=body(max_tokens=600))).json()
+        async with c.stream("POST", "/v1/chat/completions", json=body(max_tokens=600, stream=True)) as r:
+            events: list[tuple[str | None, str]] = []
+            async with asyncio.timeout(30):
+                async for e in sse_events(r):
+                    events.append(e)
+                    if len(events) == 5:
+                        # Until the frontend's view (refreshed every half heartbeat) has missed it once.
+                        redis = aioredis.from_url(redis_url)
+                        assert fe.svc is not None
+                        for _ in range(200):
+                            await Registry(redis, RedisKeys(prefix)).remove(wid)
+                            await asyncio.sleep(0.02)
+                            if wid not in fe.svc.pool.workers:
+                                break
+                        await redis.aclose()
+    assert not any('"error"' in d for _, d in events), events[-3:]
+    assert text_of(events) == reference["choices"][0]["message"]["content"]
+    assert fe.metrics.worker_failures._value.get() == 1  # it did move
