@@ -184,6 +184,8 @@ def summarize(system: str, item: PlanItem, rep: ReplayResult, cpu: dict[str, flo
     itls = [g for r in ok for g in r.itls]
     tpot = [(r.e2e - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
     workers = Counter(r.worker for r in ok if r.worker)
+    # Where requests went and where they failed: an overloaded worker shows up here, not in the percentiles.
+    failed_on = Counter(r.worker or "?" for r in failed)
     errors = Counter((r.error or f"HTTP {r.status}")[:120] for r in failed)
     # Cached fraction over the prompts of requests that finished, and the bound over the same requests.
     bound_ok = item.bound({r.index for r in ok})
@@ -229,6 +231,8 @@ def summarize(system: str, item: PlanItem, rep: ReplayResult, cpu: dict[str, flo
         "cpu": cpu,
         "workers_used": len(workers) or None,
         "busiest_worker_share": _round(max(workers.values()) / len(ok)) if workers else None,
+        "ok_per_worker": dict(sorted(workers.items())),
+        "failed_per_worker": dict(sorted(failed_on.items())),
     }
 
 
