@@ -223,7 +223,13 @@ async def test_worker_back_after_a_late_heartbeat_takes_its_own_sequence_over(
     wid = w.worker.settings.worker_id
     fe, url = await h.add_frontend()
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        async with asyncio.timeout(20):  # the frontend's registry view is refreshed in the background
+            for _ in iter(int, 1):
+                if (await c.get("/ready")).status_code == 200:
+                    break
+                await asyncio.sleep(0.05)
         reference = (await c.post("/v1/chat/completions", json=body(max_tokens=600))).json()
+        assert "choices" in reference, reference
         async with c.stream("POST", "/v1/chat/completions", json=body(max_tokens=600, stream=True)) as r:
             events: list[tuple[str | None, str]] = []
             async with asyncio.timeout(30):
