@@ -1,0 +1,159 @@
+"""`python -m bench.chaos`: mixed requests against `ferry up` while its processes are killed and restarted.
+
+Workers are SIGKILLed at random and started again under the same id; Redis and (unless --no-broker)
+the broker are restarted once each, empty, on their ports. Every request is classified: completed,
+refused (503/429 before streaming), failed (accepted, then an error event or a short answer),
+duplicated (a chunk id seen twice) and hung (no end within --deadline-s). Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+from bench.stack import FerryStack
+from server.services import Child, start_broker, start_redis
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+async def one(c: httpx.AsyncClient, i: int, rng: random.Random, deadline_s: float) -> str:
+    """One streamed request of random length; its outcome."""
+    max_tokens = rng.choice([4, 16, 64, 256])
+    words = " ".join(f"w{rng.randrange(5000)}" for _ in range(rng.choice([5, 50, 400])))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": words}], "max_tokens": max_tokens,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    try:
+        async with asyncio.timeout(deadline_s):
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                if r.status_code in (429, 503):
+                    return "refused"
+                if r.status_code != 200:
+                    return "failed"
+                ids: list[str] = []
+                datas: list[str] = []
+                async for line in r.aiter_lines():
+                    if line.startswith("id:"):
+                        ids.append(line[3:].strip())
+                    elif line.startswith("data:"):
+                        datas.append(line[5:].strip())
+        if len(ids) != len(set(ids)):
+            return "duplicated"
+        if not datas or datas[-1] != "[DONE]" or any('"error"' in d for d in datas):
+            return "failed"
+        usage = json.loads(datas[-2]).get("usage") or {}
+        return "completed" if usage.get("completion_tokens") == max_tokens else "failed"
+    except TimeoutError:
+        return "hung"
+    except httpx.HTTPError:
+        return "failed"
+
+
+def _service_addresses(stack: FerryStack) -> tuple[str, str]:
+    line = next(x for x in stack.child.tail if x.startswith("Kafka "))
+    parts = line.split()
+    return parts[1], parts[3]
+
+
+def worker_argv(wid: str, kafka: str, redis: str, speedup: float) -> list[str]:
+    return [sys.executable, "-m", "workers", "--worker-id", wid, "--kafka", kafka, "--redis", redis,
+            "--speedup", str(speedup), "--log-level", "info"]  # fmt: skip
+
+
+async def chaos(stack: FerryStack, args: argparse.Namespace, rng: random.Random, done: asyncio.Event,
+                events: list[str], restarted: dict[str, Child]) -> None:  # fmt: skip
+    """Kill and restart workers at random; restart Redis and the broker once each, mid-run.
+
+    `ferry up` stops everything when one of its own workers dies, so it runs one worker that is never
+    killed and the benchmark starts the others (`restarted`), which it kills and starts again.
+    """
+    kafka, redis = _service_addresses(stack)
+    plan = ["redis", *(["broker"] if args.broker else [])]
+    t0 = time.monotonic()
+    while not done.is_set():
+        await asyncio.sleep(rng.uniform(args.kill_every_s * 0.5, args.kill_every_s * 1.5))  # chaos pacing
+        if done.is_set():
+            break
+        elapsed = time.monotonic() - t0
+        if plan and elapsed > args.service_restart_after_s * (3 - len(plan)):
+            what = plan.pop(0)
+            pid = stack.pids.get("redis" if what == "redis" else "kafka")
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                port = int((redis if what == "redis" else kafka).rsplit(":", 1)[1].split("/")[0])
+                await asyncio.sleep(1.0)  # the outage itself
+                child, _ = await (start_redis(port) if what == "redis" else start_broker(port))
+                restarted[what] = child
+                events.append(f"{elapsed:.1f}s restarted {what}")
+            continue
+        wid = f"chaos-{rng.randrange(args.workers)}"
+        restarted[wid].kill()
+        await restarted[wid].proc.wait()
+        events.append(f"{elapsed:.1f}s killed {wid}")
+        restarted[wid] = await Child.spawn(wid, worker_argv(wid, kafka, redis, args.speedup), echo=False)
+
+
+async def main(args: argparse.Namespace) -> dict[str, object]:
+    rng = random.Random(args.seed)
+    stack = await FerryStack.start(1, args.speedup)
+    events: list[str] = []
+    extra: dict[str, Child] = {}
+    try:
+        kafka, redis = _service_addresses(stack)
+        for k in range(args.workers):
+            wid = f"chaos-{k}"
+            extra[wid] = await Child.spawn(wid, worker_argv(wid, kafka, redis, args.speedup), echo=False)
+        await asyncio.gather(*(w.wait_for_line(lambda x: x.startswith("ferry-worker-ready"), 120)
+                               for w in extra.values()))  # fmt: skip
+        done = asyncio.Event()
+        chaos_task = asyncio.create_task(chaos(stack, args, rng, done, events, extra))
+        sem = asyncio.Semaphore(args.concurrency)
+        limits = httpx.Limits(max_connections=args.concurrency)
+        async with httpx.AsyncClient(base_url=stack.url, timeout=args.deadline_s + 5, limits=limits) as c:
+
+            async def bounded(i: int) -> str:
+                async with sem:
+                    return await one(c, i, rng, args.deadline_s)
+
+            t0 = time.monotonic()
+            outcomes = Counter(await asyncio.gather(*(bounded(i) for i in range(args.requests))))
+            wall = time.monotonic() - t0
+        done.set()
+        await chaos_task
+    finally:
+        for child in extra.values():
+            await child.stop(5)
+        await stack.stop()
+    accepted = args.requests - outcomes["refused"]
+    result = {"requests": args.requests, "accepted": accepted, **{k: outcomes[k] for k in
+              ("completed", "refused", "failed", "duplicated", "hung")}, "wall_s": round(wall, 1),
+              "events": events, "args": vars(args)}  # fmt: skip
+    print(json.dumps({k: v for k, v in result.items() if k not in ("events", "args")}))
+    print("\n".join(events))
+    return result
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__)
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--speedup", type=float, default=20.0)
+    p.add_argument("--kill-every-s", type=float, default=5.0)
+    p.add_argument("--service-restart-after-s", type=float, default=20.0)
+    p.add_argument("--deadline-s", type=float, default=60.0)
+    p.add_argument("--broker", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", default="bench/results/chaos.json")
+    a = p.parse_args()
+    Path(a.out).write_text(json.dumps(asyncio.run(main(a)), indent=1))
