@@ -75,6 +75,8 @@ class Worker:
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
         self._draining = False
+        self._left = False  # set by _leave: no heartbeat may register us again
+        self._publishing: asyncio.Future[None] | None = None
         self._started_at = time.time()
         self._metrics_url = ""
         self._producer: AIOKafkaProducer | None = None
@@ -233,6 +235,10 @@ class Worker:
 
     async def _leave(self) -> None:
         assert self._registry is not None
+        self._left = True
+        if self._publishing is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._publishing)
         try:
             await asyncio.shield(self._registry.remove(self.settings.worker_id))
             await asyncio.shield(self._kv_index.clear_worker(self.settings.worker_id))
@@ -495,11 +501,13 @@ class Worker:
 
     async def _heartbeat_once(self) -> None:
         assert self._registry is not None
-        if self._fatal is not None:
+        if self._fatal is not None or self._left:
             return  # leaving: a heartbeat now would register a worker that can no longer serve
         status = self.status()
         self.metrics.observe(self.engine.stats(), len(self._inflight))
-        await asyncio.shield(self._registry.publish(status, self._ttl_s()))
+        # Kept so _leave can wait for it: a publish still in flight would re-register us after we left.
+        self._publishing = asyncio.ensure_future(self._registry.publish(status, self._ttl_s()))
+        await asyncio.shield(self._publishing)
 
     async def _heartbeat_loop(self) -> None:
         interval = self.settings.heartbeat_interval_s
