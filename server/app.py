@@ -141,8 +141,9 @@ class Frontend:
         producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(redis.aclose)
-            await producer.start()
+            # Registered before start: a start that fails (broker down) must still close the client.
             stack.push_async_callback(producer.stop)
+            await producer.start()
             await demux.start()
             stack.push_async_callback(demux.stop)
             await pool.start()

@@ -68,8 +68,9 @@ class BatchService:
         coordinator = self.coordinator = BatchCoordinator(s, self.store, pre, live)
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(self.redis.aclose)
-            await producer.start()
+            # Registered before start: a start that fails (broker down) must still close the client.
             stack.push_async_callback(producer.stop)
+            await producer.start()
             await stack.enter_async_context(coordinator.running(producer))
             self.collector = ResultCollector(
                 s.kafka,
