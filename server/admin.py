@@ -15,9 +15,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaError
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -35,6 +34,7 @@ from schemas.names import request_topic
 from schemas.openai import json_encoder
 from schemas.status import WorkerStatus
 from server.errors import APIError, from_validation_error
+from server.kafka_io import open_tail
 from server.pool import WorkerPool
 
 if TYPE_CHECKING:
@@ -66,22 +66,7 @@ class AckInbox:
 
     async def start(self) -> None:
         """Create the topic and position at its end, so only answers to this process's operations count."""
-        admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap)
-        await admin.start()
-        try:
-            await admin.create_topics([NewTopic(self.topic, num_partitions=1, replication_factor=1)])
-        except TopicAlreadyExistsError:
-            pass
-        finally:
-            await admin.close()
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=self._bootstrap, enable_auto_commit=False, fetch_max_wait_ms=self._fetch_wait_ms
-        )
-        await self._consumer.start()
-        tp = TopicPartition(self.topic, 0)
-        self._consumer.assign([tp])
-        await self._consumer.seek_to_end(tp)
-        await self._consumer.position(tp)
+        self._consumer, _ = await open_tail(self._bootstrap, self.topic, self._fetch_wait_ms)
         self._task = asyncio.create_task(self._run(), name="admin-acks")
 
     async def stop(self) -> None:

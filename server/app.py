@@ -148,7 +148,8 @@ class Frontend:
             stack.push_async_callback(demux.stop)
             await pool.start()
             stack.push_async_callback(pool.stop)
-            acks = AckInbox(s.kafka, admin_topic(s.frontend_id), s.kafka_fetch_wait_ms)
+            # Adapter loads are rare and slow anyway: no need to poll their answers every few ms.
+            acks = AckInbox(s.kafka, admin_topic(s.frontend_id), max(s.kafka_fetch_wait_ms, 100))
             await acks.start()
             stack.push_async_callback(acks.stop)
             self.lora_admin = LoraAdmin(acks, producer, pool, s.served_model_name)

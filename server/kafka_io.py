@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -17,6 +18,35 @@ from server.metrics import FrontendMetrics
 from server.streams import ClientStream
 
 log = logging.getLogger("ferry.frontend")
+
+
+async def ensure_topics(bootstrap: str, topics: dict[str, int]) -> None:
+    """Create each topic with its number of partitions unless it exists."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        for topic, partitions in topics.items():
+            with contextlib.suppress(TopicAlreadyExistsError):
+                await admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
+    finally:
+        await admin.close()
+
+
+async def open_tail(bootstrap: str, topic: str, fetch_wait_ms: int) -> tuple[AIOKafkaConsumer, int]:
+    """A started consumer of partition 0 of `topic` (created if missing), positioned at its end.
+
+    Returns the consumer and the end offset, resolved now: a lazy seek could skip records written
+    between this call and the first fetch (replies to the first requests, acks of the first operation).
+    """
+    await ensure_topics(bootstrap, {topic: 1})
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=fetch_wait_ms
+    )
+    await consumer.start()
+    tp = TopicPartition(topic, 0)
+    consumer.assign([tp])
+    await consumer.seek_to_end(tp)
+    return consumer, await consumer.position(tp)
 
 
 class Dispatcher:
@@ -106,23 +136,7 @@ class ReplyDemux:
 
     async def start(self) -> None:
         """Create the topic and position at its end before any request can be sent."""
-        admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap)
-        await admin.start()
-        try:
-            await admin.create_topics([NewTopic(self.topic, num_partitions=1, replication_factor=1)])
-        except TopicAlreadyExistsError:
-            pass
-        finally:
-            await admin.close()
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=self._bootstrap, enable_auto_commit=False, fetch_max_wait_ms=self._fetch_wait_ms
-        )
-        await self._consumer.start()
-        tp = TopicPartition(self.topic, 0)
-        self._consumer.assign([tp])
-        await self._consumer.seek_to_end(tp)
-        # Resolve the end offset now: a lazy seek could skip replies to the first requests.
-        self.position = await self._consumer.position(tp)
+        self._consumer, self.position = await open_tail(self._bootstrap, self.topic, self._fetch_wait_ms)
         self._task = asyncio.create_task(self._run(), name="reply-demux")
 
     async def stop(self) -> None:

@@ -8,8 +8,6 @@ from collections.abc import AsyncIterator, Callable
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
 
 from kvstore.batch_store import BatchStore
 from schemas.names import RedisKeys, batch_results_topic, batch_submit_topic, pool_topic
@@ -18,22 +16,11 @@ from schemas.status import WorkerStatus
 from server.batch.coordinator import BatchCoordinator
 from server.batch.intake import KafkaIntake
 from server.batch.results import ResultCollector
+from server.kafka_io import ensure_topics
 from server.preprocess import Preprocessor
 from server.responses import LogprobFormatter
 
 log = logging.getLogger("ferry.batch")
-
-
-async def ensure_topics(bootstrap: str, topics: dict[str, int]) -> None:
-    """Create each topic with its number of partitions unless it exists."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        for topic, partitions in topics.items():
-            with contextlib.suppress(TopicAlreadyExistsError):
-                await admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
-    finally:
-        await admin.close()
 
 
 class BatchService:
