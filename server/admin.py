@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kvstore.kafka_log import LogResetWatch
 from schemas.admin import (
     LoadLoraAdapterRequest,
     LoraAdapter,
@@ -94,9 +95,12 @@ class AckInbox:
 
     async def _run(self) -> None:
         assert self._consumer is not None
+        watch = LogResetWatch(self._consumer, "admin acks")
         try:
             while True:
                 batches = await self._consumer.getmany(timeout_ms=1000, max_records=256)
+                if not batches:
+                    await watch.check()
                 for records in batches.values():
                     for record in records:
                         try:

@@ -8,9 +8,9 @@ import logging
 import time
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from aiokafka.errors import KafkaError
 
+from kvstore.kafka_log import LogResetWatch, ensure_topics
 from schemas.kafka import Cancel, Chunk, ErrorInfo, GenerateRequest, reply_decoder, request_encoder
 from schemas.names import request_topic
 from server.errors import APIError
@@ -18,18 +18,6 @@ from server.metrics import FrontendMetrics
 from server.streams import ClientStream
 
 log = logging.getLogger("ferry.frontend")
-
-
-async def ensure_topics(bootstrap: str, topics: dict[str, int]) -> None:
-    """Create each topic with its number of partitions unless it exists."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        for topic, partitions in topics.items():
-            with contextlib.suppress(TopicAlreadyExistsError):
-                await admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
-    finally:
-        await admin.close()
 
 
 async def open_tail(bootstrap: str, topic: str, fetch_wait_ms: int) -> tuple[AIOKafkaConsumer, int]:
@@ -75,6 +63,12 @@ class Dispatcher:
             if self._broker_ok:
                 log.error("Kafka did not take a request (%r); answering 503 until it does", exc)
                 self._broker_ok = False
+            # The producer keeps retrying the request after we gave up on it, and may deliver it once the
+            # broker is back: a cancel queued behind it on the same partition keeps the worker from running
+            # a request whose client already has its 503.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self.cancel(worker_id, request.request_id)
             raise APIError(
                 503,
                 "The message broker is unavailable; try again shortly.",
@@ -177,9 +171,12 @@ class ReplyDemux:
 
     async def _run(self) -> None:
         assert self._consumer is not None
+        watch = LogResetWatch(self._consumer, "replies")
         try:
             while True:
                 batches = await self._consumer.getmany(timeout_ms=1000, max_records=2048)
+                if not batches and await watch.check():
+                    self.position = 0
                 for records in batches.values():
                     for record in records:
                         self.position = record.offset + 1

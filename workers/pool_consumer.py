@@ -30,6 +30,7 @@ from aiokafka.errors import KafkaError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvstore.batch_store import BatchStore
+from kvstore.kafka_log import commit_within
 from schemas.kafka import Chunk, GenerateRequest, PoolItem, pool_decoder
 from schemas.names import pool_group, pool_topic
 from schemas.settings import WorkerSettings
@@ -386,8 +387,8 @@ class PoolConsumer:
             self._commit_wanted.set()
             return
         try:
-            await asyncio.shield(consumer.commit(points))
-        except KafkaError as exc:
+            await commit_within(consumer, points)
+        except (KafkaError, TimeoutError) as exc:
             log.info("pool commit failed (%r); the items will be retried from the last commit", exc)
             return
         self.metrics.commits.inc()

@@ -9,14 +9,14 @@ import logging
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from aiokafka.errors import KafkaError
 
 from kvstore.batch_store import BatchStore
+from kvstore.kafka_log import LogResetWatch, commit_within, ensure_topics
 from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
 from schemas.kafka import (
@@ -34,7 +34,7 @@ from schemas.kafka import (
 from schemas.names import RedisKeys, pool_topic, request_topic
 from schemas.settings import WorkerSettings
 from schemas.status import WorkerStatus
-from workers.engine import Engine, EngineDead, EngineError
+from workers.engine import Engine, EngineDead, EngineError, EngineOutput
 from workers.kv_publisher import KVPublisher
 from workers.lora import LoraControl, adapters_of
 from workers.metrics import WorkerMetrics
@@ -50,14 +50,13 @@ READY_MARK = "ferry-worker-ready"
 
 async def ensure_topic(bootstrap: str, topic: str, partitions: int = 1) -> None:
     """Create `topic` if it does not exist yet."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
-    except TopicAlreadyExistsError:
-        pass
-    finally:
-        await admin.close()
+    await ensure_topics(bootstrap, {topic: partitions})
+
+
+async def _no_outputs() -> AsyncIterator[EngineOutput]:
+    """The outputs of a sequence that never reaches the engine."""
+    return
+    yield
 
 
 class Worker:
@@ -72,6 +71,8 @@ class Worker:
         self._inflight: dict[str, asyncio.Task[None]] = {}
         # (request id, attempt) of routed requests started lately, oldest first (bounded).
         self._seen: OrderedDict[tuple[str, int], None] = OrderedDict()
+        # In-flight requests a Cancel named (dropped with the request).
+        self._cancelled: set[str] = set()
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
         self._draining = False
@@ -217,8 +218,8 @@ class Worker:
                 log.warning("worker %s: grace period over, aborting %d request(s)", s.worker_id, len(self._inflight))
                 await self._fail_all(ErrorInfo("worker_stopped", "worker stopped before finishing", retriable=True))
         await self._flush()
-        with contextlib.suppress(KafkaError):
-            await asyncio.shield(consumer.commit())
+        with contextlib.suppress(KafkaError, TimeoutError):
+            await commit_within(consumer)
         if self.pool is not None:
             # Commit finished batch items and leave the group: the others take our partitions at once.
             await self.pool.close()
@@ -255,17 +256,19 @@ class Worker:
     # ---- inbox ---------------------------------------------------------------------------------
 
     async def _consume(self, consumer: AIOKafkaConsumer) -> None:
+        watch = LogResetWatch(consumer, "requests")
         while True:
             batches = await consumer.getmany(timeout_ms=1000, max_records=256)
             if not batches:
+                await watch.check()
                 continue
             for records in batches.values():
                 for record in records:
                     await self._dispatch(record.value)
             # Commit once the engine holds the requests: a restart under the same id resumes after them.
             try:
-                await asyncio.shield(consumer.commit())
-            except KafkaError as exc:
+                await commit_within(consumer)
+            except (KafkaError, TimeoutError) as exc:
                 log.warning("offset commit failed: %r", exc)
 
     async def _dispatch(self, raw: bytes | None) -> None:
@@ -296,6 +299,9 @@ class Worker:
             case Cancel():
                 if msg.request_id in self._inflight:
                     log.debug("cancel %s", msg.request_id)
+                    # The request may have arrived in the same batch and not reached the engine yet, where
+                    # an abort finds nothing to stop: `_serve` checks this set before and after it starts.
+                    self._cancelled.add(msg.request_id)
                     await self.engine.abort(msg.request_id)
             case LoadLora() | UnloadLora():
                 self.lora.submit(msg)
@@ -349,6 +355,7 @@ class Worker:
     def _done(self, request_id: str, task: asyncio.Task[None]) -> None:
         if self._inflight.get(request_id) is task:
             del self._inflight[request_id]
+            self._cancelled.discard(request_id)
         if not self._inflight:
             self.idle.set()
 
@@ -363,8 +370,14 @@ class Worker:
         generated = len(req.generated_token_ids)
         self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         try:
-            finished = aborted = False
-            async for out in self.engine.generate(req):
+            finished = aborted = reaborted = False
+            # Cancelled before it started: nothing to generate, the abort chunk below ends it.
+            outputs = _no_outputs() if req.request_id in self._cancelled else self.engine.generate(req)
+            async for out in outputs:
+                if not reaborted and req.request_id in self._cancelled:
+                    # Cancelled while the engine was still taking it in, where its abort found nothing.
+                    reaborted = True
+                    await self.engine.abort(req.request_id)
                 generated += len(out.token_ids)
                 usage = None
                 if out.finish_reason is not None:

@@ -18,6 +18,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from kvstore.batch_store import BatchStore
+from kvstore.kafka_log import commit_within
 from schemas.batch import kafka_item_decoder
 from schemas.names import batch_submit_group, batch_submit_topic, pool_topic
 from schemas.status import WorkerStatus
@@ -95,7 +96,7 @@ class KafkaIntake:
                 for tp, records in batches.items():
                     for r in records:
                         await self._take(tp.partition, r.offset, r.timestamp, r.value)
-                    await asyncio.shield(consumer.commit({tp: records[-1].offset + 1}))
+                    await commit_within(consumer, {tp: records[-1].offset + 1})
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # broker or Redis trouble: the uncommitted items are read again

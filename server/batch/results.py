@@ -21,6 +21,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from aiokafka.errors import KafkaError
 
 from kvstore.batch_store import BatchStore
+from kvstore.kafka_log import commit_within
 from schemas.batch import ItemMeta
 from schemas.kafka import Chunk, reply_decoder
 from schemas.names import batch_results_group, batch_results_topic
@@ -233,8 +234,8 @@ class ResultCollector:
             # One results partition in practice (workers write to partition 0); open items hold it back.
             points[tp] = nxt if oldest is None else min(nxt, oldest)
         try:
-            await asyncio.shield(self._consumer.commit(points))
-        except KafkaError as exc:
+            await commit_within(self._consumer, points)
+        except (KafkaError, TimeoutError) as exc:
             log.info("batch results commit failed: %r", exc)
 
     async def _drop_stale(self) -> None:

@@ -10,13 +10,13 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
 from kvstore.batch_store import BatchStore
+from kvstore.kafka_log import ensure_topics
 from schemas.names import RedisKeys, batch_results_topic, batch_submit_topic, pool_topic
 from schemas.settings import FrontendSettings
 from schemas.status import WorkerStatus
 from server.batch.coordinator import BatchCoordinator
 from server.batch.intake import KafkaIntake
 from server.batch.results import ResultCollector
-from server.kafka_io import ensure_topics
 from server.preprocess import Preprocessor
 from server.responses import LogprobFormatter
 

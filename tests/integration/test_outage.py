@@ -124,11 +124,6 @@ async def test_broker_outage_is_503_and_nothing_hangs(services: Services, h: Har
         assert (await c.get("/health")).status_code == 200
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="after an empty broker comes back on the same port, accepted requests get no reply: see "
-    "docs/architecture.md, Failures (broker restart)",
-)
 async def test_broker_restart_recovers_without_restarting_ferry(services: Services, h: Harness) -> None:
     w = await h.add_worker(heartbeat_interval_s=1.0)
     fe, url = await h.add_frontend(kafka_timeout_s=2.0, heartbeat_interval_s=1.0)

@@ -173,3 +173,20 @@ async def test_drain_finishes_in_flight_then_leaves_registry(env: tuple[Harness,
     live, _ = await Registry(redis, RedisKeys(prefix)).snapshot()
     assert wid not in {x.worker_id for x in live}
     await redis.aclose()
+
+
+async def test_cancel_right_behind_its_request_is_honoured(env: tuple[Harness, Client]) -> None:
+    """A client gone at once: the Cancel arrives in the same fetch as its request, before the engine has it."""
+    h, client = env
+    w = await h.add_worker(speedup=1.0)
+    wid = w.worker.settings.worker_id
+    req = client.request(list(range(50)), max_tokens=2000, sampling=SamplingParams(ignore_eos=True))
+    # Both queued before either is sent: one produce batch, one fetch on the worker.
+    await asyncio.gather(
+        await client.producer.send(request_topic(wid), request_encoder.encode(req), key=b"k"),
+        await client.producer.send(request_topic(wid), request_encoder.encode(Cancel(req.request_id)), key=b"k"),
+    )
+    chunks = (await client.until_finished({req.request_id}))[req.request_id]
+    assert chunks[-1].finish_reason == "abort"
+    assert sum(len(c.token_ids) for c in chunks) < 2000
+    assert w.worker.engine.stats().running == 0
