@@ -85,6 +85,7 @@ class Frontend:
             kv_events=settings.kv_events,
             approx_ttl_s=settings.approx_ttl_s,
             inflight_overlap=settings.inflight_overlap,
+            decode_load=settings.decode_load,
         )
         self.started = int(time.time())
         self.inflight = 0

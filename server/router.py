@@ -6,9 +6,12 @@
     decode_blocks(w)  = active decode blocks of w + prompt blocks
     cost(w)           = overlap_weight * prefill_blocks(w) + decode_blocks(w)
 
-Active decode blocks count each distinct block once, as the engine holds it once: sequences sharing a
-prefix on one worker share its blocks. Counting the prefix once per sequence would charge the worker that
-caches a popular prefix for every sequence using it, and push the next request away from its cache.
+Decode load (`decode_load`) is counted per sequence by default: every sequence's blocks, shared or not,
+because an engine's decode step reads each sequence's whole context (vLLM's attention, and the timing of
+the simulated engine and Dynamo's mocker, grow with the sum of the context lengths, not with the distinct
+blocks in memory). `distinct` counts each block once, as the engine stores it: that makes sequences that
+share a prefix with the running ones look almost free, and on a conversation trace piled a fifth of all
+requests onto one worker (docs/benchmarks.md, Routing).
 
 overlap(w) is the longer of what the KV index says w caches and (`inflight_overlap`, default) the leading
 blocks of the prompt that sequences this frontend sent to w are holding: the index hears of a prompt's
@@ -58,6 +61,7 @@ class RouterConfig:
     kv_events: bool = True
     approx_ttl_s: float = 120.0
     inflight_overlap: bool = True
+    decode_load: str = "sequences"  # or "distinct"
 
 
 @dataclass
@@ -208,6 +212,7 @@ class Router:
         chain: list[int],
     ) -> tuple[WorkerStatus, int]:
         weight = self.config.overlap_weight
+        distinct = self.config.decode_load == "distinct"
         costs: list[float] = []
         best: dict[str, int] = {}
         for w in workers:
@@ -226,7 +231,8 @@ class Router:
                 overlap = max(overlap, shared)
             best[wid] = overlap
             prefill_blocks = (pending + prompt_tokens) / w.block_size - overlap
-            costs.append(weight * prefill_blocks + decoding + prompt_blocks - shared)
+            new_decode = prompt_blocks - shared if distinct else prompt_blocks
+            costs.append(weight * prefill_blocks + decoding + new_decode)
         lo, hi = min(costs), max(costs)
         t = self.config.temperature
         if t > 0 and hi > lo:
@@ -252,13 +258,14 @@ class Router:
         load = self.local.setdefault(d.worker_id, WorkerLoad())
         load.prefill_tokens += d.prefill_tokens
         load.sequences += 1
+        added = d.decode_blocks
         if d.blocks:
             active = self.active_blocks.setdefault(d.worker_id, Counter())
             before = len(active)
             active.update(d.blocks)
-            load.decode_blocks += len(active) - before + d.partial_block
-        else:
-            load.decode_blocks += d.decode_blocks
+            if self.config.decode_load == "distinct":
+                added = len(active) - before + d.partial_block
+        load.decode_blocks += added
 
     def prefilled(self, d: Decision) -> None:
         """The sequence produced its first token: its prompt is no longer pending prefill."""
@@ -276,6 +283,7 @@ class Router:
         if not d.prefilled:
             load.prefill_tokens -= d.prefill_tokens
         load.sequences -= 1
+        removed = d.decode_blocks
         active = self.active_blocks.get(d.worker_id)
         if d.blocks and active is not None:
             before = len(active)
@@ -283,9 +291,9 @@ class Router:
                 active[h] -= 1
                 if active[h] <= 0:
                     del active[h]
-            load.decode_blocks -= before - len(active) + d.partial_block
-        else:
-            load.decode_blocks -= d.decode_blocks
+            if self.config.decode_load == "distinct":
+                removed = before - len(active) + d.partial_block
+        load.decode_blocks -= removed
         if load.sequences <= 0:
             del self.local[d.worker_id]
             self.active_blocks.pop(d.worker_id, None)

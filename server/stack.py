@@ -76,6 +76,8 @@ def _frontend_argv(s: StackSettings, kafka: str, redis: str, port: int) -> list[
         s.router_policy,
         "--kv-events" if s.kv_events else "--no-kv-events",
         "--inflight-overlap" if s.inflight_overlap else "--no-inflight-overlap",
+        "--decode-load",
+        s.decode_load,
         "--overlap-weight",
         str(s.overlap_weight),
         "--router-temperature",

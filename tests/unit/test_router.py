@@ -88,8 +88,8 @@ async def test_kv_load_pushes_requests_away_from_a_busy_holder() -> None:
     assert (await r.choose("m", workers, PromptMemo(PROMPT))).worker_id == "b"
 
 
-async def test_shared_prefix_blocks_count_once_in_decode_load() -> None:
-    r = _router(index=FakeIndex({"b": 9}))
+async def test_distinct_decode_load_counts_shared_prefix_blocks_once() -> None:
+    r = _router(index=FakeIndex({"b": 9}), decode_load="distinct")
     workers = [_w("a"), _w("b")]
     prompts = [PROMPT[:144] + [50_000 + i] * 16 for i in range(4)]  # 9 shared blocks + 1 own block each
     decisions = []
@@ -105,10 +105,33 @@ async def test_shared_prefix_blocks_count_once_in_decode_load() -> None:
     assert r.local == {} and r.active_blocks == {}
 
 
+async def test_sequence_decode_load_charges_every_sequence_its_blocks() -> None:
+    r = _router(index=FakeIndex({"b": 9}))
+    workers = [_w("a"), _w("b")]
+    prompts = [PROMPT[:144] + [50_000 + i] * 16 for i in range(4)]
+    first = await r.choose("m", workers, PromptMemo(prompts[0]))
+    assert first.worker_id == "b"
+    r.started(first)
+    r.prefilled(first)
+    assert r.local["b"].decode_blocks == 10
+    # b: 1 block to prefill + 10 decoding + 10 = 21; a: 10 to prefill + 0 + 10 = 20. The engine's decode
+    # step on b reads the running sequence's 10 blocks as well, shared or not.
+    second = await r.choose("m", workers, PromptMemo(prompts[1]))
+    assert second.worker_id == "a"
+    # With weight 2 on prefill the cache wins again: b = 2 + 20 = 22 against a = 20 + 10 = 30.
+    r2 = _router(index=FakeIndex({"b": 9}), overlap_weight=2.0)
+    r2.started(d := await r2.choose("m", workers, PromptMemo(prompts[0])))
+    r2.prefilled(d)
+    assert (await r2.choose("m", workers, PromptMemo(prompts[1]))).worker_id == "b"
+    r.finished(first)
+    assert r.local == {} and r.active_blocks == {}
+
+
 @pytest.mark.parametrize("inflight_overlap", [True, False])
 async def test_kv_counts_blocks_still_being_prefilled_as_held(inflight_overlap: bool) -> None:
     # The index knows nothing yet: the first turn is still in prefill when the second turn arrives.
-    r = _router(index=FakeIndex({}), inflight_overlap=inflight_overlap)
+    # Distinct decode load: the shared blocks weigh nothing beside the first turn, so the cache decides.
+    r = _router(index=FakeIndex({}), inflight_overlap=inflight_overlap, decode_load="distinct")
     workers = [_w("a"), _w("b")]
     first = await r.choose("m", workers, PromptMemo(PROMPT))
     r.started(first)
