@@ -341,6 +341,9 @@ class StackSettings:
     )
     overlap_weight: float = dataclasses.field(default=1.0, metadata=_help("kv: weight of prefill work"))
     router_temperature: float = dataclasses.field(default=0.0, metadata=_help("kv: softmax temperature"))
+    migration_limit: int = dataclasses.field(
+        default=3, metadata=_help("moves of a sequence to another worker after its worker died; 0 = never")
+    )
     speedup: float = dataclasses.field(default=1.0, metadata=_help("sim: divide simulated step time by this"))
     block_size: int = dataclasses.field(default=64, metadata=_help("KV block size in tokens"))
     num_blocks: int = dataclasses.field(default=16384, metadata=_help("sim: KV blocks per worker"))

@@ -9,84 +9,38 @@ import secrets
 import signal
 import sys
 
-from schemas.settings import FrontendSettings, StackSettings, load
+from schemas.settings import FrontendSettings, StackSettings, load, to_argv
 from server.services import Child, free_port, start_broker, start_redis
 
 log = logging.getLogger("ferry.stack")
 
 
+# Stack settings each child takes under the same flag, passed through as they are.
+_SHARED = ("redis_prefix", "model_path", "served_model_name", "heartbeat_interval_s", "log_level")
+_WORKER = ("engine", "speedup", "block_size", "num_blocks", "max_model_len")
+_FRONTEND = (
+    "host", "router_policy", "kv_events", "inflight_overlap", "decode_load", "overlap_weight", "router_temperature",
+    "migration_limit",
+)
+
+
 def _worker_argv(s: StackSettings, kafka: str, redis: str, index: int) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "workers",
-        "--worker-id",
-        f"worker-{index}",
-        "--engine",
-        s.engine,
-        "--kafka",
-        kafka,
-        "--redis",
-        redis,
-        "--redis-prefix",
-        s.redis_prefix,
-        "--model-path",
-        s.model_path,
-        "--served-model-name",
-        s.served_model_name,
-        "--speedup",
-        str(s.speedup),
-        "--block-size",
-        str(s.block_size),
-        "--num-blocks",
-        str(s.num_blocks),
-        "--max-model-len",
-        str(s.max_model_len),
-        "--heartbeat-interval-s",
-        str(s.heartbeat_interval_s),
-        "--log-level",
-        s.log_level,
-    ]
+        sys.executable, "-m", "workers",
+        "--worker-id", f"worker-{index}", "--kafka", kafka, "--redis", redis,
+        *to_argv(s, only=_SHARED + _WORKER),
+    ]  # fmt: skip
 
 
 def _frontend_argv(s: StackSettings, kafka: str, redis: str, port: int) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "server",
-        "frontend",
-        "--host",
-        s.host,
-        "--port",
-        str(port),
+        sys.executable, "-m", "server", "frontend",
+        "--port", str(port),
         # A fresh replies topic per run: Tansu keeps every record and slows as a topic grows.
-        "--frontend-id",
-        f"frontend-{secrets.token_hex(3)}",
-        "--kafka",
-        kafka,
-        "--redis",
-        redis,
-        "--redis-prefix",
-        s.redis_prefix,
-        "--model-path",
-        s.model_path,
-        "--served-model-name",
-        s.served_model_name,
-        "--router-policy",
-        s.router_policy,
-        "--kv-events" if s.kv_events else "--no-kv-events",
-        "--inflight-overlap" if s.inflight_overlap else "--no-inflight-overlap",
-        "--decode-load",
-        s.decode_load,
-        "--overlap-weight",
-        str(s.overlap_weight),
-        "--router-temperature",
-        str(s.router_temperature),
-        "--heartbeat-interval-s",
-        str(s.heartbeat_interval_s),
-        "--log-level",
-        s.log_level,
-    ]
+        "--frontend-id", f"frontend-{secrets.token_hex(3)}",
+        "--kafka", kafka, "--redis", redis,
+        *to_argv(s, only=_SHARED + _FRONTEND),
+    ]  # fmt: skip
 
 
 async def _start(s: StackSettings, services: list[Child], workers: list[Child], fronts: list[Child]) -> str:
