@@ -100,9 +100,9 @@ class FrontendSettings(CommonSettings):
         default=True,
         metadata=_help("kv: count prompt blocks of sequences this frontend sent a worker as held there"),
     )
-    decode_load: Literal["sequences", "distinct"] = dataclasses.field(
-        default="sequences",
-        metadata=_help("kv: charge decode load per sequence (as engines spend it) or per distinct block"),
+    decode_load: Literal["distinct", "sequences"] = dataclasses.field(
+        default="distinct",
+        metadata=_help("kv: charge decode load per distinct block (as engines store it) or per sequence"),
     )
     busy_kv_usage: float = dataclasses.field(
         default=0.95, metadata=_help("skip workers whose KV usage is at least this")
@@ -336,8 +336,8 @@ class StackSettings:
     inflight_overlap: bool = dataclasses.field(
         default=True, metadata=_help("kv: count blocks of in-flight sequences as held by their worker")
     )
-    decode_load: Literal["sequences", "distinct"] = dataclasses.field(
-        default="sequences", metadata=_help("kv: decode load per sequence or per distinct block")
+    decode_load: Literal["distinct", "sequences"] = dataclasses.field(
+        default="distinct", metadata=_help("kv: decode load per distinct block or per sequence")
     )
     overlap_weight: float = dataclasses.field(default=1.0, metadata=_help("kv: weight of prefill work"))
     router_temperature: float = dataclasses.field(default=0.0, metadata=_help("kv: softmax temperature"))

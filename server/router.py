@@ -6,12 +6,12 @@
     decode_blocks(w)  = active decode blocks of w + prompt blocks
     cost(w)           = overlap_weight * prefill_blocks(w) + decode_blocks(w)
 
-Decode load (`decode_load`) is counted per sequence by default: every sequence's blocks, shared or not,
-because an engine's decode step reads each sequence's whole context (vLLM's attention, and the timing of
-the simulated engine and Dynamo's mocker, grow with the sum of the context lengths, not with the distinct
-blocks in memory). `distinct` counts each block once, as the engine stores it: that makes sequences that
-share a prefix with the running ones look almost free, and on a conversation trace piled a fifth of all
-requests onto one worker (docs/benchmarks.md, Routing).
+Decode load (`decode_load`) counts each distinct block once by default, as the engine stores it: sequences
+sharing a prefix on one worker share its blocks, so a worker caching a popular prefix is not charged for it
+once per sequence and the next request on that prefix is not pushed away from its cache. `sequences`
+charges every sequence all its blocks, closer to what an engine's decode step reads (its time grows with
+the sum of the context lengths); on the conversation trace it lost a quarter of the cache hits and had a
+worse TTFT at every rate (docs/benchmarks.md, Routing), so it stays an option, not the default.
 
 overlap(w) is the longer of what the KV index says w caches and (`inflight_overlap`, default) the leading
 blocks of the prompt that sequences this frontend sent to w are holding: the index hears of a prompt's
@@ -61,7 +61,7 @@ class RouterConfig:
     kv_events: bool = True
     approx_ttl_s: float = 120.0
     inflight_overlap: bool = True
-    decode_load: str = "sequences"  # or "distinct"
+    decode_load: str = "distinct"  # or "sequences"
 
 
 @dataclass

@@ -238,7 +238,7 @@ async def one_stack(order: str, args: Any, work_dir: Path) -> dict[str, Any]:
     os.environ["FERRY_BATCH_ORDER"] = order
     os.environ["FERRY_BATCH_DIR"] = str(work_dir / order)
     os.environ["FERRY_POOL_MAX_INFLIGHT"] = str(args.pool_max_inflight)
-    stack = await FerryStack.start(args.workers, args.speedup, timeout_s=240)
+    stack = await FerryStack.start(args.workers, args.speedup, ["--num-blocks", str(args.num_blocks)], timeout_s=240)
     out: dict[str, Any] = {"order": order}
     try:
         model = args.model
@@ -249,10 +249,11 @@ async def one_stack(order: str, args: Any, work_dir: Path) -> dict[str, Any]:
             bodies = workload(11 if order == "prefix" else 12, args.requests, args.prompts, args.system_words)
             out["batch"] = asdict(await batch_phase(client, model, f"batch ({order} order)", bodies, args))
             print(out["batch"], file=sys.stderr, flush=True)
-            if order == "prefix":
+            if order == "prefix" and "interactive" in args.phases:
                 bodies = workload(13, args.requests, args.prompts, args.system_words)
                 out["interactive"] = asdict(await interactive_phase(client, model, bodies, args))
                 print(out["interactive"], file=sys.stderr, flush=True)
+            if order == "prefix" and "ttft" in args.phases:
                 out["ttft"] = [
                     asdict(r) | {"p50": r.pct(0.5), "p90": r.pct(0.9)}
                     for r in await ttft_phases(client, http, model, args)
@@ -311,6 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-batch", type=int, default=2000, help="batch size running under the steady load")
     p.add_argument("--phase-limit-s", type=float, default=600.0)
     p.add_argument("--orders", default="prefix,submission")
+    p.add_argument(
+        "--phases", default="batch,interactive,ttft",
+        help="of the prefix-order stack: batch (always), interactive, ttft",
+    )
+    p.add_argument(
+        "--num-blocks", type=int, default=16384,
+        help="KV blocks per worker; fewer than the prompts need makes the batch order matter for hits",
+    )
     p.add_argument("--model", default=DEFAULT_MODEL_NAME)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "batch.json")
     args = p.parse_args(argv)

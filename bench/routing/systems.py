@@ -19,7 +19,7 @@ from bench.stack import FerryStack, machine_busy_seconds, process_cpu_seconds
 FERRY_POLICIES: list[tuple[str, list[str]]] = [
     ("ferry kv", ["--router-policy", "kv", "--kv-events"]),
     ("ferry kv-index-only", ["--router-policy", "kv", "--kv-events", "--no-inflight-overlap"]),
-    ("ferry kv-distinct", ["--router-policy", "kv", "--kv-events", "--decode-load", "distinct"]),
+    ("ferry kv-sequences", ["--router-policy", "kv", "--kv-events", "--decode-load", "sequences"]),
     ("ferry kv-approx", ["--router-policy", "kv", "--no-kv-events"]),
     ("ferry round_robin", ["--router-policy", "round_robin"]),
     ("ferry random", ["--router-policy", "random"]),

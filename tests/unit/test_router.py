@@ -89,7 +89,7 @@ async def test_kv_load_pushes_requests_away_from_a_busy_holder() -> None:
 
 
 async def test_distinct_decode_load_counts_shared_prefix_blocks_once() -> None:
-    r = _router(index=FakeIndex({"b": 9}), decode_load="distinct")
+    r = _router(index=FakeIndex({"b": 9}))
     workers = [_w("a"), _w("b")]
     prompts = [PROMPT[:144] + [50_000 + i] * 16 for i in range(4)]  # 9 shared blocks + 1 own block each
     decisions = []
@@ -106,7 +106,7 @@ async def test_distinct_decode_load_counts_shared_prefix_blocks_once() -> None:
 
 
 async def test_sequence_decode_load_charges_every_sequence_its_blocks() -> None:
-    r = _router(index=FakeIndex({"b": 9}))
+    r = _router(index=FakeIndex({"b": 9}), decode_load="sequences")
     workers = [_w("a"), _w("b")]
     prompts = [PROMPT[:144] + [50_000 + i] * 16 for i in range(4)]
     first = await r.choose("m", workers, PromptMemo(prompts[0]))
@@ -119,7 +119,7 @@ async def test_sequence_decode_load_charges_every_sequence_its_blocks() -> None:
     second = await r.choose("m", workers, PromptMemo(prompts[1]))
     assert second.worker_id == "a"
     # With weight 2 on prefill the cache wins again: b = 2 + 20 = 22 against a = 20 + 10 = 30.
-    r2 = _router(index=FakeIndex({"b": 9}), overlap_weight=2.0)
+    r2 = _router(index=FakeIndex({"b": 9}), overlap_weight=2.0, decode_load="sequences")
     r2.started(d := await r2.choose("m", workers, PromptMemo(prompts[0])))
     r2.prefilled(d)
     assert (await r2.choose("m", workers, PromptMemo(prompts[1]))).worker_id == "b"
@@ -130,8 +130,7 @@ async def test_sequence_decode_load_charges_every_sequence_its_blocks() -> None:
 @pytest.mark.parametrize("inflight_overlap", [True, False])
 async def test_kv_counts_blocks_still_being_prefilled_as_held(inflight_overlap: bool) -> None:
     # The index knows nothing yet: the first turn is still in prefill when the second turn arrives.
-    # Distinct decode load: the shared blocks weigh nothing beside the first turn, so the cache decides.
-    r = _router(index=FakeIndex({}), inflight_overlap=inflight_overlap, decode_load="distinct")
+    r = _router(index=FakeIndex({}), inflight_overlap=inflight_overlap)
     workers = [_w("a"), _w("b")]
     first = await r.choose("m", workers, PromptMemo(PROMPT))
     r.started(first)
