@@ -5,8 +5,8 @@ everything in memory, so a restart on the same address starts every topic again 
 Kafka cluster whose topic was deleted and recreated does the same. Tansu answers a fetch beyond the new
 end with an empty batch rather than OFFSET_OUT_OF_RANGE, so `auto_offset_reset` never fires and the
 consumer waits at its old position for records that will only arrive thousands of offsets lower.
-`LogResetWatch` asks for the log end while a consumer is idle and starts it over from the beginning
-when its position lies past that end, which a healthy log never allows.
+`LogResetWatch` compares an idle consumer's position with the high watermark its fetches report and
+starts it over from the beginning when the position lies past that end, which a healthy log never allows.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from aiokafka.errors import TopicAlreadyExistsError, UnknownError
+from aiokafka.structs import RecordMetadata
 
 log = logging.getLogger("ferry.kafka")
 
@@ -36,6 +36,25 @@ async def ensure_topics(bootstrap: str, topics: dict[str, int]) -> None:
                 await admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
     finally:
         await admin.close()
+
+
+async def send_and_wait(
+    producer: AIOKafkaProducer, topic: str, value: bytes, key: bytes, partition: int = 0, attempts: int = 3
+) -> RecordMetadata:
+    """`producer.send_and_wait`, retrying the broker's UnknownError with fresh metadata.
+
+    Tansu answers a produce with UnknownError once for a topic that changed under the producer's cached
+    metadata (created anew after an empty restart); the next attempt goes through. aiokafka calls the
+    error final, so without this the request behind it would fail.
+    """
+    for attempt in range(attempts):
+        try:
+            return await producer.send_and_wait(topic, value, key=key, partition=partition)
+        except UnknownError:
+            if attempt == attempts - 1:
+                raise
+            await producer.client.force_metadata_update()
+    raise AssertionError("unreachable")
 
 
 async def commit_within(
@@ -60,42 +79,30 @@ async def commit_within(
 class LogResetWatch:
     """Rewinds a consumer's assigned partitions whose position lies beyond the log's end."""
 
-    def __init__(
-        self, consumer: AIOKafkaConsumer, name: str, every_s: float = 1.0, timeout_s: float = 2.0
-    ) -> None:
+    def __init__(self, consumer: AIOKafkaConsumer, name: str) -> None:
         self._consumer = consumer
         self._name = name
-        self._every_s = every_s
-        self._timeout_s = timeout_s
-        self._next = time.monotonic() + every_s
 
     async def check(self) -> list[TopicPartition]:
-        """Call when a poll came back empty; returns the partitions it rewound (at most one check per period)."""
-        now = time.monotonic()
-        if now < self._next:
-            return []
-        self._next = now + self._every_s
-        partitions = list(self._consumer.assignment())
-        if not partitions:
-            return []
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                ends = await self._consumer.end_offsets(partitions)
-                positions = {tp: await self._consumer.position(tp) for tp in partitions}
-        except (KafkaError, TimeoutError):
-            # The broker is away: nothing to compare against yet. The next idle poll asks again.
-            return []
-        rewound = [tp for tp in partitions if positions[tp] > ends.get(tp, positions[tp])]
-        for tp in rewound:
-            log.warning(
-                "%s: position %d is past the end (%d) of %s[%d]: the broker lost this log (restarted "
-                "empty?); reading it again from the start",
-                self._name,
-                positions[tp],
-                ends[tp],
-                tp.topic,
-                tp.partition,
-            )
+        """Call when a poll came back empty; returns the partitions it rewound.
+
+        The end is the high watermark of the latest fetch response, which the idle consumer keeps getting.
+        (Tansu's ListOffsets answer advances by one per produced batch, not per record, so it cannot be
+        compared with a position.)
+        """
+        rewound = []
+        for tp in self._consumer.assignment():
+            end = self._consumer.highwater(tp)
+            if end is None:
+                continue
+            position = await self._consumer.position(tp)
+            if position > end:
+                log.warning(
+                    "%s: position %d is past the end (%d) of %s[%d]: the broker lost this log (restarted "
+                    "empty?); reading it again from the start",
+                    self._name, position, end, tp.topic, tp.partition,
+                )
+                rewound.append(tp)
         if rewound:
             await self._consumer.seek_to_beginning(*rewound)
         return rewound

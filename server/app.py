@@ -106,25 +106,28 @@ class Frontend:
         self.router = router = Router(self.router_config, self.metrics, index)
         demux = ReplyDemux(s.kafka, reply_topic(s.frontend_id), s.kafka_fetch_wait_ms)
 
-        def fail_worker(worker_id: str) -> None:
-            # Each open sequence of the worker moves to another one (server/generation.py), up to
-            # --migration-limit times; the error is for streams that cannot move.
-            failed = demux.fail_worker(
-                worker_id, ErrorInfo("worker_died", f"worker {worker_id} stopped responding", retriable=True)
-            )
+        def fail_worker(worker_id: str | None) -> None:
+            # Each open sequence of the worker (None: of every worker) moves to another one
+            # (server/generation.py), up to --migration-limit times; the error is for streams that cannot move.
+            what = f"worker {worker_id} stopped responding" if worker_id else "the message broker lost its log"
+            failed = demux.fail_worker(worker_id, ErrorInfo("worker_died", what, retriable=True))
             if not failed:
                 return
             self.metrics.worker_failures.inc(len(failed))
             log.error(
-                "worker %s vanished with %d sequence(s) in flight; moving them (migration limit %d)",
-                worker_id, len(failed), s.migration_limit,
+                "%s with %d sequence(s) in flight; moving them (migration limit %d)",
+                what, len(failed), s.migration_limit,
             )
             # A worker that only missed heartbeats (a pause, a Redis hiccup) is still generating: stop it.
             # A moving sequence sends that Cancel itself, once its old worker's late chunks no longer count.
             assert self.svc is not None
             for rid, moving in failed:
-                if not moving:
+                if not moving and worker_id is not None:
                     self._spawn(self.svc.dispatcher.cancel(worker_id, rid))
+
+        # An empty broker came back (Tansu keeps its log in memory): requests and chunks in transit are gone,
+        # so every open sequence is sent again, as if its worker had died.
+        demux.on_reset = lambda: fail_worker(None)
 
         def on_dead(worker_id: str) -> None:
             # A worker that drained cleanly left after its last chunks were acknowledged; give the reply

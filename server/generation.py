@@ -7,7 +7,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, GenerateRequest
@@ -274,8 +274,10 @@ class Generation:
         # attempt count, for this stream and for any replay of it. Wait until it came back.
         seq.switched.clear()
         try:
-            await self.svc.dispatcher.note(
-                self.svc.reply_topic, marker(seq.request_id, target, decision.worker_id)
+            await self._while_broker_away(
+                lambda: self.svc.dispatcher.note(
+                    self.svc.reply_topic, marker(seq.request_id, target, decision.worker_id)
+                )
             )
             async with asyncio.timeout(self.svc.request_timeout_s):
                 while seq.attempt < target and not seq.finished:
@@ -314,9 +316,30 @@ class Generation:
             len(generated),
         )
         try:
-            await self.svc.dispatcher.submit(decision.worker_id, self._request(seq, generated))
+            request = self._request(seq, generated)
+            # No cancel behind a timed-out copy: the next copy is the same attempt and must run (the worker
+            # runs whichever arrives first and drops the other as a duplicate).
+            await self._while_broker_away(
+                lambda: self.svc.dispatcher.submit(decision.worker_id, request, cancel_on_timeout=False)
+            )
         except APIError as exc:
             self._fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc.message}")
+
+    async def _while_broker_away(self, send: Callable[[], Awaitable[None]]) -> None:
+        """Send, and send again while the broker is unavailable, up to --request-timeout-s.
+
+        A worker often dies together with the broker's outage (or the broker's restart is what lost the
+        sequence): the move must outlast it, not fail on it. Each attempt waits up to --kafka-timeout-s
+        for the broker, which paces the retries.
+        """
+        give_up = time.monotonic() + self.svc.request_timeout_s
+        while True:
+            try:
+                await send()
+                return
+            except APIError as exc:
+                if exc.code != "broker_unavailable" or time.monotonic() > give_up or self._closed:
+                    raise
 
     def _fail(self, seq: Sequence, message: str, code: str = "worker_died") -> None:
         """End a sequence with a (retriable) error of the frontend's own, and stop its worker on it."""

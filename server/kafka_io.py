@@ -6,11 +6,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from kvstore.kafka_log import LogResetWatch, ensure_topics
+from kvstore.kafka_log import LogResetWatch, ensure_topics, send_and_wait
 from schemas.kafka import Cancel, Chunk, ErrorInfo, GenerateRequest, reply_decoder, request_encoder
 from schemas.names import request_topic
 from server.errors import APIError
@@ -46,29 +47,31 @@ class Dispatcher:
         self._metrics = metrics
         self._broker_ok = True
 
-    async def submit(self, worker_id: str, request: GenerateRequest) -> None:
-        """Hand one request to a worker; 503 if the broker does not acknowledge it in time."""
+    async def submit(self, worker_id: str, request: GenerateRequest, cancel_on_timeout: bool = True) -> None:
+        """Hand one request to a worker; 503 if the broker does not acknowledge it in time.
+
+        On a timeout the producer may still deliver the request later; unless told otherwise a cancel is
+        queued behind it, so the worker does not run a request whose client already has its 503.
+        """
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(self._timeout_s):
                 # Partition 0 is the only one a worker reads.
-                await self._producer.send_and_wait(
+                await send_and_wait(
+                    self._producer,
                     request_topic(worker_id),
                     request_encoder.encode(request),
                     key=request.request_id.encode(),
-                    partition=0,
                 )
         except (KafkaError, TimeoutError) as exc:
             self._metrics.kafka_errors.inc()
             if self._broker_ok:
                 log.error("Kafka did not take a request (%r); answering 503 until it does", exc)
                 self._broker_ok = False
-            # The producer keeps retrying the request after we gave up on it, and may deliver it once the
-            # broker is back: a cancel queued behind it on the same partition keeps the worker from running
-            # a request whose client already has its 503.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(1.0):
-                    await self.cancel(worker_id, request.request_id)
+            if cancel_on_timeout:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        await self.cancel(worker_id, request.request_id)
             raise APIError(
                 503,
                 "The message broker is unavailable; try again shortly.",
@@ -89,8 +92,8 @@ class Dispatcher:
         """
         try:
             async with asyncio.timeout(self._timeout_s):
-                await self._producer.send_and_wait(
-                    topic, request_encoder.encode(chunk), key=chunk.request_id.encode(), partition=0
+                await send_and_wait(
+                    self._producer, topic, request_encoder.encode(chunk), key=chunk.request_id.encode()
                 )
         except (KafkaError, TimeoutError) as exc:
             self._metrics.kafka_errors.inc()
@@ -127,6 +130,9 @@ class ReplyDemux:
         self.failed: BaseException | None = None
         # Offset of the next record to read: every chunk of a request sent from now on lies at or after it.
         self.position = 0
+        # Called when the broker lost this topic's log (restarted empty): chunks and requests in transit
+        # went with it, so every open sequence must be sent again.
+        self.on_reset: Callable[[], None] | None = None
 
     async def start(self) -> None:
         """Create the topic and position at its end before any request can be sent."""
@@ -153,15 +159,16 @@ class ReplyDemux:
         for rid in stream.sequences:
             self._by_request.pop(rid, None)
 
-    def fail_worker(self, worker_id: str, error: ErrorInfo) -> list[tuple[str, bool]]:
-        """Hand every sequence running on `worker_id` to its stream's migration, else end it with `error`.
+    def fail_worker(self, worker_id: str | None, error: ErrorInfo) -> list[tuple[str, bool]]:
+        """Hand every sequence running on `worker_id` (None: on any worker) to its stream's migration, else
+        end it with `error`.
 
         Returns the request id of each such sequence, and whether it is moving to another worker.
         """
         lost = []
         for rid, stream in list(self._by_request.items()):
             seq = stream.sequences.get(rid)
-            if seq is not None and seq.worker_id == worker_id and not seq.finished:
+            if seq is not None and worker_id in (None, seq.worker_id) and not seq.finished:
                 if stream.on_lost is not None:
                     stream.on_lost(seq)
                 else:
@@ -177,6 +184,8 @@ class ReplyDemux:
                 batches = await self._consumer.getmany(timeout_ms=1000, max_records=2048)
                 if not batches and await watch.check():
                     self.position = 0
+                    if self.on_reset is not None:
+                        self.on_reset()
                 for records in batches.values():
                     for record in records:
                         self.position = record.offset + 1

@@ -71,8 +71,9 @@ class Worker:
         self._inflight: dict[str, asyncio.Task[None]] = {}
         # (request id, attempt) of routed requests started lately, oldest first (bounded).
         self._seen: OrderedDict[tuple[str, int], None] = OrderedDict()
-        # In-flight requests a Cancel named (dropped with the request).
-        self._cancelled: set[str] = set()
+        # In-flight attempts a Cancel named (dropped when they end). The task, not the request id: a
+        # newer attempt of the same request (a migration back to this worker) must not inherit the cancel.
+        self._cancelled: set[asyncio.Task[None]] = set()
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
         self._draining = False
@@ -301,7 +302,7 @@ class Worker:
                     log.debug("cancel %s", msg.request_id)
                     # The request may have arrived in the same batch and not reached the engine yet, where
                     # an abort finds nothing to stop: `_serve` checks this set before and after it starts.
-                    self._cancelled.add(msg.request_id)
+                    self._cancelled.add(self._inflight[msg.request_id])
                     await self.engine.abort(msg.request_id)
             case LoadLora() | UnloadLora():
                 self.lora.submit(msg)
@@ -355,7 +356,7 @@ class Worker:
     def _done(self, request_id: str, task: asyncio.Task[None]) -> None:
         if self._inflight.get(request_id) is task:
             del self._inflight[request_id]
-            self._cancelled.discard(request_id)
+        self._cancelled.discard(task)
         if not self._inflight:
             self.idle.set()
 
@@ -371,10 +372,11 @@ class Worker:
         self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         try:
             finished = aborted = reaborted = False
+            me = asyncio.current_task()
             # Cancelled before it started: nothing to generate, the abort chunk below ends it.
-            outputs = _no_outputs() if req.request_id in self._cancelled else self.engine.generate(req)
+            outputs = _no_outputs() if me in self._cancelled else self.engine.generate(req)
             async for out in outputs:
-                if not reaborted and req.request_id in self._cancelled:
+                if not reaborted and me in self._cancelled:
                     # Cancelled while the engine was still taking it in, where its abort found nothing.
                     reaborted = True
                     await self.engine.abort(req.request_id)

@@ -27,8 +27,8 @@ from server.services import Child, start_broker, start_redis
 MODEL = "SmolLM2-135M-Instruct"
 
 
-async def one(c: httpx.AsyncClient, i: int, rng: random.Random, deadline_s: float) -> str:
-    """One streamed request of random length; its outcome."""
+async def one(c: httpx.AsyncClient, i: int, rng: random.Random, deadline_s: float) -> tuple[str, str]:
+    """One streamed request of random length; its outcome, and why where it failed."""
     max_tokens = rng.choice([4, 16, 64, 256])
     words = " ".join(f"w{rng.randrange(5000)}" for _ in range(rng.choice([5, 50, 400])))
     body = {"model": MODEL, "messages": [{"role": "user", "content": words}], "max_tokens": max_tokens,
@@ -37,9 +37,9 @@ async def one(c: httpx.AsyncClient, i: int, rng: random.Random, deadline_s: floa
         async with asyncio.timeout(deadline_s):
             async with c.stream("POST", "/v1/chat/completions", json=body) as r:
                 if r.status_code in (429, 503):
-                    return "refused"
+                    return "refused", ""
                 if r.status_code != 200:
-                    return "failed"
+                    return "failed", f"http {r.status_code}"
                 ids: list[str] = []
                 datas: list[str] = []
                 async for line in r.aiter_lines():
@@ -48,15 +48,20 @@ async def one(c: httpx.AsyncClient, i: int, rng: random.Random, deadline_s: floa
                     elif line.startswith("data:"):
                         datas.append(line[5:].strip())
         if len(ids) != len(set(ids)):
-            return "duplicated"
-        if not datas or datas[-1] != "[DONE]" or any('"error"' in d for d in datas):
-            return "failed"
+            return "duplicated", ""
+        errors = [json.loads(d)["error"] for d in datas if d.startswith('{"error"')]
+        if errors:
+            return "failed", f"{errors[0].get('code')}: {errors[0].get('message', '')[:90]}"
+        if not datas or datas[-1] != "[DONE]":
+            return "failed", "no [DONE]"
         usage = json.loads(datas[-2]).get("usage") or {}
-        return "completed" if usage.get("completion_tokens") == max_tokens else "failed"
+        if usage.get("completion_tokens") != max_tokens:
+            return "failed", f"{usage.get('completion_tokens')} of {max_tokens} tokens"
+        return "completed", ""
     except TimeoutError:
-        return "hung"
-    except httpx.HTTPError:
-        return "failed"
+        return "hung", ""
+    except httpx.HTTPError as exc:
+        return "failed", type(exc).__name__
 
 
 def _service_addresses(stack: FerryStack) -> tuple[str, str]:
@@ -105,7 +110,7 @@ async def chaos(stack: FerryStack, args: argparse.Namespace, rng: random.Random,
 
 async def main(args: argparse.Namespace) -> dict[str, object]:
     rng = random.Random(args.seed)
-    stack = await FerryStack.start(1, args.speedup)
+    stack = await FerryStack.start(1, args.speedup, ["--migration-limit", str(args.migration_limit)])
     events: list[str] = []
     extra: dict[str, Child] = {}
     try:
@@ -121,12 +126,14 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
         limits = httpx.Limits(max_connections=args.concurrency)
         async with httpx.AsyncClient(base_url=stack.url, timeout=args.deadline_s + 5, limits=limits) as c:
 
-            async def bounded(i: int) -> str:
+            async def bounded(i: int) -> tuple[str, str]:
                 async with sem:
                     return await one(c, i, rng, args.deadline_s)
 
             t0 = time.monotonic()
-            outcomes = Counter(await asyncio.gather(*(bounded(i) for i in range(args.requests))))
+            results = await asyncio.gather(*(bounded(i) for i in range(args.requests)))
+            outcomes = Counter(outcome for outcome, _ in results)
+            reasons = Counter(why for outcome, why in results if outcome == "failed")
             wall = time.monotonic() - t0
         done.set()
         await chaos_task
@@ -137,7 +144,7 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
     accepted = args.requests - outcomes["refused"]
     result = {"requests": args.requests, "accepted": accepted, **{k: outcomes[k] for k in
               ("completed", "refused", "failed", "duplicated", "hung")}, "wall_s": round(wall, 1),
-              "events": events, "args": vars(args)}  # fmt: skip
+              "failures": dict(reasons.most_common()), "events": events, "args": vars(args)}  # fmt: skip
     print(json.dumps({k: v for k, v in result.items() if k not in ("events", "args")}))
     print("\n".join(events))
     return result
@@ -154,6 +161,7 @@ if __name__ == "__main__":
     p.add_argument("--deadline-s", type=float, default=60.0)
     p.add_argument("--broker", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--migration-limit", type=int, default=3, help="the frontend's (Ferry's default: 3)")
     p.add_argument("--out", default="bench/results/chaos.json")
     a = p.parse_args()
     Path(a.out).write_text(json.dumps(asyncio.run(main(a)), indent=1))

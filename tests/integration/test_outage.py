@@ -142,6 +142,32 @@ async def test_broker_restart_recovers_without_restarting_ferry(services: Servic
     assert h.frontends == [fe]
 
 
+async def test_stream_in_flight_survives_an_empty_broker_restart(services: Services, h: Harness) -> None:
+    """The broker comes back without the request or the chunks in transit: the stream is sent again and
+    continues as one stream (no gap, no repeat, the full length)."""
+    await h.add_worker(heartbeat_interval_s=1.0, speedup=1.0)
+    _fe, url = await h.add_frontend(kafka_timeout_s=2.0, heartbeat_interval_s=1.0)
+    n = 1500
+    async with httpx.AsyncClient(base_url=url, timeout=120.0) as c:
+        await until(lambda: served(c), RECOVERY_DEADLINE_S, "serving before the outage")
+        body = chat(stream=True, max_tokens=n, ignore_eos=True, stream_options={"include_usage": True})
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            events = sse_events(r)
+            got = [await anext(events)]  # the stream is running on the worker
+            await services.broker.stop()
+            await services.restart_broker()
+            got += [e async for e in events]
+    ids = [i for i, _ in got if i is not None]
+    datas = [d for _, d in got]
+    assert datas[-1] == "[DONE]"
+    assert not any('"error"' in d for d in datas), [d for d in datas if '"error"' in d]
+    assert len(ids) == len(set(ids)), "an event was repeated"
+    assert json.loads(datas[-2])["usage"]["completion_tokens"] == n, datas[-4:]
+    choices = [c for d in datas[:-1] for c in json.loads(d)["choices"]]
+    assert choices[-1]["finish_reason"] == "length"
+
+
 async def test_redis_outage_keeps_serving_and_heartbeats_resume(services: Services, h: Harness) -> None:
     w = await h.add_worker(heartbeat_interval_s=1.0)
     fe, url = await h.add_frontend(heartbeat_interval_s=1.0)
