@@ -95,7 +95,12 @@ class LogResetWatch:
             end = self._consumer.highwater(tp)
             if end is None:
                 continue
-            position = await self._consumer.position(tp)
+            try:
+                # position() waits (up to the request timeout) while a position is being reset; a check
+                # must never hold up the reader it watches.
+                position = await asyncio.wait_for(self._consumer.position(tp), 0.05)
+            except TimeoutError:
+                continue
             if position > end:
                 log.warning(
                     "%s: position %d is past the end (%d) of %s[%d]: the broker lost this log (restarted "
