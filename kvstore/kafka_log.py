@@ -76,6 +76,20 @@ async def commit_within(
         raise
 
 
+async def rewind_to_committed(consumer: AIOKafkaConsumer) -> None:
+    """Move every assigned partition back to its group's last commit (the start where there is none).
+
+    After a failure halfway through a fetched batch, the consumer's position is already past records that
+    were not handled; without this they would be skipped until the next rebalance.
+    """
+    for tp in consumer.assignment():
+        committed = await consumer.committed(tp)
+        if committed is None:
+            await consumer.seek_to_beginning(tp)
+        else:
+            consumer.seek(tp, committed)
+
+
 class LogResetWatch:
     """Rewinds a consumer's assigned partitions whose position lies beyond the log's end."""
 

@@ -18,7 +18,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from kvstore.batch_store import BatchStore
-from kvstore.kafka_log import commit_within
+from kvstore.kafka_log import commit_within, rewind_to_committed
 from schemas.batch import kafka_item_decoder
 from schemas.names import batch_submit_group, batch_submit_topic, pool_topic
 from schemas.status import WorkerStatus
@@ -100,8 +100,10 @@ class KafkaIntake:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # broker or Redis trouble: the uncommitted items are read again
-                log.warning("batch intake: %r; retrying", exc)
+                log.warning("batch intake: %r; retrying from the last commit", exc)
                 await asyncio.sleep(0.5)  # back-off before the next attempt
+                with contextlib.suppress(Exception):  # the broker may still be away; the next pass retries
+                    await rewind_to_committed(consumer)
 
     async def _take(self, partition: int, offset: int, timestamp: int, raw: bytes | None) -> None:
         try:
