@@ -74,6 +74,8 @@ class Worker:
         # In-flight attempts a Cancel named (dropped when they end). The task, not the request id: a
         # newer attempt of the same request (a migration back to this worker) must not inherit the cancel.
         self._cancelled: set[asyncio.Task[None]] = set()
+        # Set on the first failed commit or reply: from then on an idle inbox checks for a lost log.
+        self._broker_trouble = False
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
         self._draining = False
@@ -261,7 +263,9 @@ class Worker:
         while True:
             batches = await consumer.getmany(timeout_ms=1000, max_records=256)
             if not batches:
-                await watch.check()
+                # Only once the broker has failed us: a healthy log never needs the check.
+                if self._broker_trouble:
+                    await watch.check()
                 continue
             for records in batches.values():
                 for record in records:
@@ -270,6 +274,7 @@ class Worker:
             try:
                 await commit_within(consumer)
             except (KafkaError, TimeoutError) as exc:
+                self._broker_trouble = True
                 log.warning("offset commit failed: %r", exc)
 
     async def _dispatch(self, raw: bytes | None) -> None:
@@ -484,6 +489,7 @@ class Worker:
             self._on_send_error(fut.exception())
 
     def _on_send_error(self, exc: BaseException | None) -> None:
+        self._broker_trouble = True
         self.metrics.kafka_send_errors.inc()
         log.warning("a reply chunk was not delivered: %r", exc)
 
