@@ -117,8 +117,24 @@ class VllmStack:
             if accept(st):
                 return st
             if time.monotonic() > deadline:
-                raise AssertionError(f"status of {worker_id} never matched within {timeout_s}s; last: {st}")
+                raise AssertionError(
+                    f"status of {worker_id} never matched within {timeout_s}s; last: {st}\n"
+                    + await self.diagnose(worker_id)
+                )
             await asyncio.sleep(HEARTBEAT_S / 2)  # poll period: the registry has no change notification
+
+    async def diagnose(self, worker_id: str) -> str:
+        """What a failed wait should show: the worker's request counters and the last lines it printed."""
+        try:
+            st = await self.status(worker_id)
+            async with httpx.AsyncClient(timeout=10) as c:
+                text = (await c.get(st.metrics_url)).text if st else ""
+            outcomes = [ln for ln in text.splitlines() if ln.startswith("ferry_worker_requests_total{")]
+        except Exception as exc:  # the worker may be gone: say so instead of hiding the first failure
+            outcomes = [repr(exc)]
+        child = next((c for i, c in self.children.items() if self.worker_id(i) == worker_id), None)
+        tail = "\n".join(child.tail) if child is not None else "(no such child)"
+        return f"requests by outcome: {outcomes}\nlast output of {worker_id}:\n{tail}"
 
     async def metrics(self, worker_id: str) -> dict[str, float]:
         """The worker's /metrics samples without labels, by name."""
@@ -143,7 +159,10 @@ class VllmStack:
             if accept(m):
                 return m
             if time.monotonic() > deadline:
-                raise AssertionError(f"metrics of {worker_id} never matched within {timeout_s}s; last: {m}")
+                raise AssertionError(
+                    f"metrics of {worker_id} never matched within {timeout_s}s; last: {m}\n"
+                    + await self.diagnose(worker_id)
+                )
             await asyncio.sleep(HEARTBEAT_S / 2)  # poll period: metrics change once per heartbeat
 
     def engine_core_pid(self, i: int) -> int:
