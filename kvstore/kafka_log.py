@@ -38,6 +38,16 @@ async def ensure_topics(bootstrap: str, topics: dict[str, int]) -> None:
         await admin.close()
 
 
+async def delete_topics(bootstrap: str, topics: list[str]) -> None:
+    """Delete topics (those already gone are fine)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_topics(topics)
+    finally:
+        await admin.close()
+
+
 async def send_and_wait(
     producer: AIOKafkaProducer, topic: str, value: bytes, key: bytes, partition: int = 0, attempts: int = 3
 ) -> RecordMetadata:

@@ -80,6 +80,13 @@ class FrontendSettings(CommonSettings):
         default_factory=lambda: f"fe-{secrets.token_hex(4)}",
         metadata=_help("unique id; names this frontend's replies topic"),
     )
+    replies_roll_records: int = dataclasses.field(
+        default=20_000,
+        metadata=_help(
+            "start a fresh replies topic after this many records (the embedded broker's fetches slow down "
+            "as a partition grows); 0 = one topic for the frontend's life"
+        ),
+    )
     router_policy: Literal["kv", "round_robin", "random", "least_loaded"] = dataclasses.field(
         default="kv", metadata=_help("how to pick a worker: kv = longest cached prefix weighed against load")
     )

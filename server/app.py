@@ -104,7 +104,10 @@ class Frontend:
         index = KVIndex(redis, keys)
         board = LoadBoard(redis, keys)
         self.router = router = Router(self.router_config, self.metrics, index)
-        demux = ReplyDemux(s.kafka, reply_topic(s.frontend_id), s.kafka_fetch_wait_ms)
+        demux = ReplyDemux(
+            s.kafka, reply_topic(s.frontend_id), s.kafka_fetch_wait_ms,
+            roll_records=s.replies_roll_records, retain_s=s.resume_ttl_s, metrics=self.metrics,
+        )
 
         def fail_worker(worker_id: str | None) -> None:
             # Each open sequence of the worker (None: of every worker) moves to another one
@@ -159,7 +162,6 @@ class Frontend:
             self.lora_admin = LoraAdmin(acks, producer, pool, s.served_model_name)
             self.svc = Services(
                 frontend_id=s.frontend_id,
-                reply_topic=demux.topic,
                 pool=pool,
                 router=self.router,
                 dispatcher=Dispatcher(producer, s.kafka_timeout_s, self.metrics),
@@ -358,7 +360,7 @@ async def _remember(fe: Frontend, gen: Generation, kind: Any, echo: bool) -> dic
     assert fe.svc is not None and fe.svc.resume is not None
     spec = gen.spec
     record = StreamRecord(
-        topic=fe.svc.reply_topic, offset=gen.first_offset, kind=kind, model=gen.model, created=gen.created,
+        topic=gen.reply_topic, offset=gen.first_offset, kind=kind, model=gen.model, created=gen.created,
         n=spec.n, prompt_lens=spec.prompt_lens, include_usage=spec.include_usage, logprobs=spec.logprobs,
         echo_texts=spec.prompt_texts if echo else [], frontend_id=fe.settings.frontend_id,
     )

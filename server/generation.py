@@ -28,7 +28,6 @@ class Services:
     """What a generation needs from the running frontend."""
 
     frontend_id: str
-    reply_topic: str
     pool: WorkerPool
     router: Router
     dispatcher: Dispatcher
@@ -73,7 +72,9 @@ class Generation:
         self.first_token_at: float | None = None
         self._last_token_at = 0.0
         self.predicted_cached_blocks = 0
-        # Replies-topic offset at or before this request's first chunk (for a resume record).
+        # Where this request's chunks arrive (set by start): its replies topic, and an offset at or before
+        # the first of them (for a resume record).
+        self.reply_topic = ""
         self.first_offset = 0
         self.deadline = 0.0
         self._submitted: list[Sequence] = []
@@ -123,8 +124,7 @@ class Generation:
                 router.finished(seq.decision)
             self._submitted.clear()
             raise
-        self.svc.demux.register(self.stream)
-        self.first_offset = self.svc.demux.position
+        self.reply_topic, self.first_offset = self.svc.demux.register(self.stream)
         self.deadline = time.time() + self.svc.request_timeout_s
         try:
             for seq in self.stream.sequences.values():
@@ -143,7 +143,7 @@ class Generation:
             model=self.model,
             prompt_token_ids=p.prompts[seq.prompt_index],
             max_tokens=p.max_tokens - len(prior),
-            reply_topic=self.svc.reply_topic,
+            reply_topic=self.reply_topic,
             sampling=p.sampling,
             index=seq.choice,
             priority=p.priority,
@@ -276,7 +276,7 @@ class Generation:
         try:
             await self._while_broker_away(
                 lambda: self.svc.dispatcher.note(
-                    self.svc.reply_topic, marker(seq.request_id, target, decision.worker_id)
+                    self.reply_topic, marker(seq.request_id, target, decision.worker_id)
                 )
             )
             async with asyncio.timeout(self.svc.request_timeout_s):
@@ -362,7 +362,7 @@ class Generation:
 
     async def _note(self, chunk: Chunk) -> None:
         try:
-            await self.svc.dispatcher.note(self.svc.reply_topic, chunk)
+            await self.svc.dispatcher.note(self.reply_topic, chunk)
         except APIError:
             log.warning("could not record the end of %s for resumed readers", chunk.request_id)
 

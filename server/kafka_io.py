@@ -7,11 +7,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from kvstore.kafka_log import LogResetWatch, ensure_topics, send_and_wait
+from kvstore.kafka_log import LogResetWatch, delete_topics, ensure_topics, send_and_wait
 from schemas.kafka import Cancel, Chunk, ErrorInfo, GenerateRequest, reply_decoder, request_encoder
 from schemas.names import request_topic
 from server.errors import APIError
@@ -117,26 +118,72 @@ class Dispatcher:
             log.warning("could not send cancel for %s: %r", request_id, exc)
 
 
-class ReplyDemux:
-    """Reads this frontend's replies topic and hands each chunk to the waiting client stream."""
+@dataclass
+class _Tail:
+    """One replies topic the demux reads: where it stands, and the streams whose chunks go there."""
 
-    def __init__(self, bootstrap: str, topic: str, fetch_wait_ms: int = 100) -> None:
-        self.topic = topic
+    topic: str
+    # Offset of the next record to read: every chunk of a request sent from now on lies at or after it.
+    position: int
+    streams: set[str] = field(default_factory=set)
+
+
+class ReplyDemux:
+    """Reads this frontend's replies topics and hands each chunk to the waiting client stream.
+
+    New requests reply to the current topic. After `roll_records` records the demux starts a fresh one
+    and reads the old one only while requests that reply there are open; `retain_s` later it deletes it
+    (resumed streams read old chunks back until then). The embedded broker answers every fetch that
+    returns data in time proportional to the number of record batches the partition holds (about
+    0.7 ms per thousand), so a single replies topic made a frontend under sustained load slower and
+    slower until streams stalled (docs/benchmarks.md, Batch). A Kafka cluster does not need the roll,
+    and `roll_records=0` turns it off.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        fetch_wait_ms: int = 100,
+        roll_records: int = 0,
+        retain_s: float = 600.0,
+        metrics: FrontendMetrics | None = None,
+    ) -> None:
+        self._base = topic
         self._fetch_wait_ms = fetch_wait_ms
         self._bootstrap = bootstrap
+        self._roll_records = roll_records
+        self._retain_s = retain_s
+        self._metrics = metrics
         self._by_request: dict[str, ClientStream] = {}
+        self._tails: dict[str, _Tail] = {}
+        self._tail_of: dict[str, _Tail] = {}  # stream id -> the tail its chunks arrive on
+        self._current: _Tail | None = None
+        self._rolls = 0
+        self._reassign = False
+        self._doomed: list[tuple[float, str]] = []  # (delete at, topic) of retired replies topics
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
         self.failed: BaseException | None = None
-        # Offset of the next record to read: every chunk of a request sent from now on lies at or after it.
-        self.position = 0
         # Called when the broker lost this topic's log (restarted empty): chunks and requests in transit
         # went with it, so every open sequence must be sent again.
         self.on_reset: Callable[[], None] | None = None
 
+    @property
+    def topic(self) -> str:
+        """The replies topic new requests name."""
+        assert self._current is not None, "start() first"
+        return self._current.topic
+
+    @property
+    def topics(self) -> list[str]:
+        """Every replies topic being read (the current one last)."""
+        return list(self._tails)
+
     async def start(self) -> None:
         """Create the topic and position at its end before any request can be sent."""
-        self._consumer, self.position = await open_tail(self._bootstrap, self.topic, self._fetch_wait_ms)
+        self._consumer, position = await open_tail(self._bootstrap, self._base, self._fetch_wait_ms)
+        self._current = self._tails[self._base] = _Tail(self._base, position)
         self._task = asyncio.create_task(self._run(), name="reply-demux")
 
     async def stop(self) -> None:
@@ -147,17 +194,35 @@ class ReplyDemux:
         if self._consumer is not None:
             await self._consumer.stop()
 
-    def register(self, stream: ClientStream) -> None:
-        """Route chunks of every sequence of `stream` to it."""
+    def register(self, stream: ClientStream) -> tuple[str, int]:
+        """Route chunks of every sequence of `stream` to it.
+
+        Returns the replies topic its requests must name and the offset its chunks will start at or after.
+        """
         if self.failed is not None:
             raise APIError(503, "The reply stream of this frontend is down.", code="frontend_unavailable")
+        tail = self._tail_of.get(stream.id)
+        if tail is None:
+            assert self._current is not None, "start() first"
+            tail = self._tail_of[stream.id] = self._current
+            tail.streams.add(stream.id)
         for rid in stream.sequences:
             self._by_request[rid] = stream
+        return tail.topic, tail.position
 
     def unregister(self, stream: ClientStream) -> None:
         """Stop routing chunks to `stream` (late chunks are then dropped)."""
         for rid in stream.sequences:
             self._by_request.pop(rid, None)
+        tail = self._tail_of.pop(stream.id, None)
+        if tail is None:
+            return
+        tail.streams.discard(stream.id)
+        if not tail.streams and tail is not self._current:
+            # Nothing open replies there any more: stop reading it, delete it once no resume can want it.
+            del self._tails[tail.topic]
+            self._doomed.append((time.monotonic() + self._retain_s, tail.topic))
+            self._reassign = True
 
     def fail_worker(self, worker_id: str | None, error: ErrorInfo) -> list[tuple[str, bool]]:
         """Hand every sequence running on `worker_id` (None: on any worker) to its stream's migration, else
@@ -178,17 +243,28 @@ class ReplyDemux:
 
     async def _run(self) -> None:
         assert self._consumer is not None
-        watch = LogResetWatch(self._consumer, "replies")
+        consumer = self._consumer
+        watch = LogResetWatch(consumer, "replies")
         try:
             while True:
-                batches = await self._consumer.getmany(timeout_ms=1000, max_records=2048)
-                if not batches and await watch.check():
-                    self.position = 0
-                    if self.on_reset is not None:
+                if self._reassign:
+                    self._reassign = False
+                    await self._assign()
+                batches = await consumer.getmany(timeout_ms=1000, max_records=2048)
+                if not batches:
+                    rewound = await watch.check()
+                    for tp in rewound:
+                        if tp.topic in self._tails:
+                            self._tails[tp.topic].position = 0
+                    if rewound and self.on_reset is not None:
                         self.on_reset()
-                for records in batches.values():
+                    if self._doomed:
+                        await self._delete_retired()
+                for tp, records in batches.items():
+                    tail = self._tails.get(tp.topic)
                     for record in records:
-                        self.position = record.offset + 1
+                        if tail is not None:
+                            tail.position = record.offset + 1
                         try:
                             chunk = reply_decoder.decode(record.value)
                         except Exception as exc:
@@ -197,6 +273,9 @@ class ReplyDemux:
                         stream = self._by_request.get(chunk.request_id)
                         if stream is not None:
                             stream.put(chunk)
+                current = self._current
+                if current is not None and 0 < self._roll_records <= current.position:
+                    await self._roll()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -207,3 +286,53 @@ class ReplyDemux:
             for rid, stream in list(self._by_request.items()):
                 stream.fail(rid, error)
             raise
+
+    async def _roll(self) -> None:
+        """Start a fresh replies topic for new requests; the old one is read while its requests are open."""
+        old = self._current
+        assert old is not None
+        self._rolls += 1
+        topic = f"{self._base}.{self._rolls}"
+        await ensure_topics(self._bootstrap, {topic: 1})
+        new = self._tails[topic] = _Tail(topic, 0)
+        await self._assign()
+        # The position is resolved now, before any request names the topic (as in open_tail).
+        assert self._consumer is not None
+        new.position = await self._consumer.position(TopicPartition(topic, 0))
+        self._current = new
+        if not old.streams:
+            del self._tails[old.topic]
+            self._doomed.append((time.monotonic() + self._retain_s, old.topic))
+            self._reassign = True
+        if self._metrics is not None:
+            self._metrics.reply_topic_rolls.inc()
+        log.info(
+            "replies: new requests reply to %s (%s holds %d records; read on for %d open streams)",
+            topic, old.topic, old.position, len(old.streams),
+        )
+
+    async def _assign(self) -> None:
+        """Read exactly the live tails, each from its own position (assign() forgets positions)."""
+        assert self._consumer is not None
+        consumer = self._consumer
+        consumer.assign([TopicPartition(t, 0) for t in self._tails])
+        for tail in self._tails.values():
+            tp = TopicPartition(tail.topic, 0)
+            if tail.position > 0:
+                consumer.seek(tp, tail.position)
+            else:
+                await consumer.seek_to_beginning(tp)
+
+    async def _delete_retired(self) -> None:
+        """Delete retired replies topics whose retention is over (best effort: Kafka may refuse)."""
+        now = time.monotonic()
+        due = [t for at, t in self._doomed if at <= now]
+        if not due:
+            return
+        self._doomed = [(at, t) for at, t in self._doomed if at > now]
+        try:
+            await delete_topics(self._bootstrap, due)
+        except KafkaError as exc:
+            log.warning("could not delete retired replies topics %s: %r", due, exc)
+        else:
+            log.info("replies: deleted retired topics %s", due)

@@ -46,6 +46,9 @@ class FrontendMetrics:
         self.redis_up = Gauge("ferry_redis_up", "1 while Redis answers", registry=r)
         self.redis_up.set(1)
         self.live_workers = Gauge("ferry_live_workers", "Workers in the registry", registry=r)
+        self.reply_topic_rolls = Counter(
+            "ferry_reply_topic_rolls", "Times the frontend started a fresh replies topic", registry=r
+        )
         self.worker_failures = Counter(
             "ferry_worker_failures", "Sequences ended because their worker died", registry=r
         )

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +143,14 @@ async def harness(kafka: str, redis: str, prefix: str, model_path: Path) -> Asyn
         yield h
     finally:
         await h.close()
+
+
+async def until(check: Callable[[], Awaitable[bool]], timeout_s: float, period_s: float = 0.05) -> None:
+    """Poll `check` until it holds: for state that gives no notification of its change (another
+    process's, a broker's). Raises TimeoutError after `timeout_s`."""
+    async with asyncio.timeout(timeout_s):
+        while not await check():  # noqa: ASYNC110 - there is nothing to wait on instead
+            await asyncio.sleep(period_s)
 
 
 async def sse_events(response: httpx.Response) -> AsyncIterator[tuple[str | None, str]]:

@@ -1,0 +1,145 @@
+"""Rolling replies topics: a frontend moves new requests to a fresh topic, reads the old one while its
+requests are open, deletes it after the retention, and resumed streams still find their chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
+
+from schemas.kafka import Chunk, request_encoder
+from server.kafka_io import ReplyDemux
+from server.router import Decision
+from server.streams import ClientStream, Sequence
+from tests.harness import Harness, harness, sse_events, until
+
+pytestmark = pytest.mark.integration
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def stream_of(rid: str) -> ClientStream:
+    s = ClientStream(rid)
+    s.sequences[f"{rid}.0"] = Sequence(f"{rid}.0", 0, 0, Decision("w"), 1)
+    return s
+
+
+async def topics(kafka: str) -> set[str]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka)
+    await admin.start()
+    try:
+        return set(await admin.list_topics())
+    finally:
+        await admin.close()
+
+
+async def delivered(stream: ClientStream, n: int) -> list[int]:
+    """Token ids of the next `n` chunks the demux hands to `stream`."""
+    out: list[int] = []
+    async with asyncio.timeout(20):
+        while len(out) < n:
+            out += [t for _seq, chunk in await stream.get(None) for t in chunk.token_ids]
+    return out
+
+
+async def test_demux_rolls_reads_old_topics_while_used_then_deletes_them(kafka: str) -> None:
+    base = f"test.replies.{uuid.uuid4().hex[:8]}"
+    demux = ReplyDemux(kafka, base, fetch_wait_ms=5, roll_records=3, retain_s=0.5)
+    producer = AIOKafkaProducer(bootstrap_servers=kafka, linger_ms=0)
+    await producer.start()
+    await demux.start()
+    try:
+        # `old` replies on the first topic and stays open across the rolls its traffic causes.
+        old = stream_of("old")
+        topic_old, _ = demux.register(old)
+        assert topic_old == base
+        for i in range(4):
+            await producer.send_and_wait(
+                topic_old, request_encoder.encode(Chunk("old.0", i, token_ids=[i])), partition=0
+            )
+        assert await delivered(old, 4) == [0, 1, 2, 3]
+
+        async def rolled() -> bool:  # on the demux's task, after it read record 3
+            return demux.topic != base
+
+        await until(rolled, 20, 0.01)
+        new = stream_of("new")
+        topic_new, offset = demux.register(new)
+        assert topic_new == f"{base}.1" and offset == 0
+        # Both are read: the old topic for `old`, the new one for `new`.
+        await producer.send_and_wait(topic_new, request_encoder.encode(Chunk("new.0", 0, token_ids=[7])), partition=0)
+        await producer.send_and_wait(topic_old, request_encoder.encode(Chunk("old.0", 4, token_ids=[4])), partition=0)
+        assert await delivered(new, 1) == [7]
+        assert await delivered(old, 1) == [4]
+        assert demux.topics == [base, topic_new]
+        # Once `old` is done nothing replies on the first topic: it is dropped, then deleted.
+        demux.unregister(old)
+
+        async def deleted() -> bool:
+            return base not in await topics(kafka)
+
+        await until(deleted, 30, 0.1)
+        assert demux.topics == [topic_new]
+        # The current topic keeps delivering after the reassignment.
+        await producer.send_and_wait(topic_new, request_encoder.encode(Chunk("new.0", 1, token_ids=[8])), partition=0)
+        assert await delivered(new, 1) == [8]
+    finally:
+        await demux.stop()
+        await producer.stop()
+
+
+@pytest_asyncio.fixture
+async def h(kafka: str, redis_url: str, prefix: str, model_path: Path) -> AsyncIterator[Harness]:
+    async with harness(kafka, redis_url, prefix, model_path) as hh:
+        yield hh
+
+
+async def test_requests_across_rolls_complete_and_a_stream_resumes_from_its_topic(h: Harness) -> None:
+    await h.add_worker(speedup=1.0)  # real time: the resumable stream is still running when dropped
+    fe, url = await h.add_frontend(replies_roll_records=50)
+    assert fe.svc is not None
+    first = fe.svc.demux.topic
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "A long story, please"}],
+        "max_tokens": 120,
+        "ignore_eos": True,
+        "seed": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        events: list[tuple[str | None, str]] = []
+        async with c.stream("POST", "/v1/chat/completions", json=body, headers={"x-ferry-resumable": "1"}) as r:
+            assert r.status_code == 200
+            rid = r.headers["x-request-id"]
+            async for e in sse_events(r):
+                events.append(e)
+                if len(events) == 5:
+                    break
+        # Enough other traffic to roll the replies topic twice while that stream runs on: each wave fills
+        # the topic its requests were sent with, and the next wave goes to a fresh one.
+        short = {"model": MODEL, "prompt": "Count", "max_tokens": 30, "ignore_eos": True}
+        for _wave in range(2):
+            answers = await asyncio.gather(*(c.post("/v1/completions", json=short) for _ in range(8)))
+            assert [a.status_code for a in answers] == [200] * 8
+            assert all(a.json()["usage"]["completion_tokens"] == 30 for a in answers)
+        assert fe.svc.demux.topic != first
+        assert (fe.metrics.registry.get_sample_value("ferry_reply_topic_rolls_total") or 0) >= 2
+        async with c.stream(
+            "GET", f"/v1/chat/completions/{rid}/stream", headers={"last-event-id": events[-1][0] or ""}
+        ) as r:
+            assert r.status_code == 200
+            events += [e async for e in sse_events(r)]
+    ids = [int(i) for i, _ in events if i is not None]
+    assert ids == list(range(len(ids)))
+    assert events[-1] == (None, "[DONE]")
+    assert json.loads(events[-2][1])["usage"]["completion_tokens"] == 120
