@@ -100,6 +100,64 @@ async def rewind_to_committed(consumer: AIOKafkaConsumer) -> None:
             consumer.seek(tp, committed)
 
 
+# Fetch wait of a reader that lags behind its log while its fetches come back empty (FetchWaitAdjuster).
+LAGGING_FETCH_WAIT_MS = 500
+
+
+class FetchWaitAdjuster:
+    """Lengthens a consumer's fetch wait while it lags behind its log and its fetches come back empty.
+
+    Tansu answers a fetch with no records when reading them takes longer than the fetch's max wait, and
+    that read takes time proportional to the record batches the partition holds (`bench/tansu_fetch.py`):
+    past about 10,000 batches a 5 ms wait never gets data again, and a reader stalls with its records in
+    plain sight. A longer wait costs nothing when records are there (the broker answers once it has read
+    them), so the adjuster switches to `lagging_wait_ms` while a partition's position lies below the high
+    watermark of the latest fetch and goes back to the configured wait, which keeps idle readers prompt,
+    once the reader has caught up. A Kafka cluster returns available records at once: it never triggers.
+    """
+
+    def __init__(self, consumer: AIOKafkaConsumer, name: str, lagging_wait_ms: int = LAGGING_FETCH_WAIT_MS) -> None:
+        self._consumer = consumer
+        self._name = name
+        self._lagging_wait_ms = lagging_wait_ms
+        # aiokafka reads the wait from its fetcher for every request and has no public way to change it.
+        self._fetcher = consumer._fetcher
+        self._base_ms: int = self._fetcher._fetch_max_wait_ms
+        self.stretched = False
+
+    async def after_poll(self, got_records: bool) -> None:
+        """Call after every poll with whether it returned records."""
+        if got_records and not self.stretched:
+            return
+        behind = await self._behind()
+        if behind and not got_records and not self.stretched and self._lagging_wait_ms > self._base_ms:
+            self.stretched = True
+            self._fetcher._fetch_max_wait_ms = self._lagging_wait_ms
+            log.info(
+                "%s: fetches come back empty with %d record(s) waiting (a broker slower to read than the %d ms "
+                "fetch wait); waiting up to %d ms per fetch until caught up",
+                self._name, behind, self._base_ms, self._lagging_wait_ms,
+            )
+        elif self.stretched and not behind:
+            self.stretched = False
+            self._fetcher._fetch_max_wait_ms = self._base_ms
+
+    async def _behind(self) -> int:
+        """Records between the assigned partitions' positions and the latest high watermarks."""
+        total = 0
+        paused = self._consumer.paused()
+        for tp in self._consumer.assignment() - paused:
+            end = self._consumer.highwater(tp)
+            if end is None:
+                continue
+            try:
+                position = await asyncio.wait_for(self._consumer.position(tp), 0.05)
+            except TimeoutError:
+                continue
+            total += max(0, end - position)
+        return total
+
+
 class LogResetWatch:
     """Rewinds a consumer's assigned partitions whose position lies beyond the log's end."""
 

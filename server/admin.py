@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvstore.kafka_log import LogResetWatch
+from kvstore.kafka_log import FetchWaitAdjuster, LogResetWatch
 from schemas.admin import (
     LoadLoraAdapterRequest,
     LoraAdapter,
@@ -96,9 +96,11 @@ class AckInbox:
     async def _run(self) -> None:
         assert self._consumer is not None
         watch = LogResetWatch(self._consumer, "admin acks")
+        stretch = FetchWaitAdjuster(self._consumer, "admin acks")
         try:
             while True:
                 batches = await self._consumer.getmany(timeout_ms=1000, max_records=256)
+                await stretch.after_poll(bool(batches))
                 if not batches:
                     await watch.check()
                 for records in batches.values():

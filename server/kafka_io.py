@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from kvstore.kafka_log import LogResetWatch, delete_topics, ensure_topics, send_and_wait
+from kvstore.kafka_log import FetchWaitAdjuster, LogResetWatch, delete_topics, ensure_topics, send_and_wait
 from schemas.kafka import Cancel, Chunk, ErrorInfo, GenerateRequest, reply_decoder, request_encoder
 from schemas.names import request_topic
 from server.errors import APIError
@@ -245,12 +245,14 @@ class ReplyDemux:
         assert self._consumer is not None
         consumer = self._consumer
         watch = LogResetWatch(consumer, "replies")
+        stretch = FetchWaitAdjuster(consumer, "replies")
         try:
             while True:
                 if self._reassign:
                     self._reassign = False
                     await self._assign()
                 batches = await consumer.getmany(timeout_ms=1000, max_records=2048)
+                await stretch.after_poll(bool(batches))
                 if not batches:
                     rewound = await watch.check()
                     for tp in rewound:

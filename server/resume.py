@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from kvstore.kafka_log import FetchWaitAdjuster
 from schemas.kafka import Chunk, ErrorInfo, reply_decoder
 from schemas.names import RedisKeys
 from schemas.streams import StreamRecord, stream_record_decoder, stream_record_encoder
@@ -129,8 +130,11 @@ class Replay:
         """Accepted chunks in topic order; [] when `keepalive_s` passed without any."""
         idle_since = attached_at = pinged = time.monotonic()
         wait_ms = max(1, int(min(self._keepalive_s, self._refresh_s) * 1000))
+        # A resumed reader starts behind the log's end by definition.
+        stretch = FetchWaitAdjuster(self._consumer, f"resume {self.id}")
         while not self.stream.drained:
             batches = await self._consumer.getmany(timeout_ms=wait_ms, max_records=2048)
+            await stretch.after_poll(bool(batches))
             for records in batches.values():
                 for record in records:
                     try:

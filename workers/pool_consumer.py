@@ -30,7 +30,7 @@ from aiokafka.errors import KafkaError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvstore.batch_store import BatchStore
-from kvstore.kafka_log import commit_within
+from kvstore.kafka_log import FetchWaitAdjuster, commit_within
 from schemas.kafka import Chunk, GenerateRequest, PoolItem, pool_decoder
 from schemas.names import pool_group, pool_topic
 from schemas.settings import WorkerSettings
@@ -189,6 +189,7 @@ class PoolConsumer:
         consumer = self._consumer
         committer = asyncio.create_task(self._commit_loop(), name="pool-commit")
         watcher = asyncio.create_task(self._stopped_loop(), name="pool-stopped")
+        stretch = FetchWaitAdjuster(consumer, "pool")
         try:
             while self._taking:
                 room = self._room_for()
@@ -200,6 +201,7 @@ class PoolConsumer:
                 except KafkaError as exc:
                     log.warning("pool fetch failed: %r", exc)
                     batches = {}
+                await stretch.after_poll(bool(batches))
                 for tp, records in batches.items():
                     track = self._tracks.get(tp)
                     if track is None:  # revoked while the records were on their way

@@ -16,7 +16,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
 from kvstore.batch_store import BatchStore
-from kvstore.kafka_log import LogResetWatch, commit_within, ensure_topics
+from kvstore.kafka_log import FetchWaitAdjuster, LogResetWatch, commit_within, ensure_topics
 from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
 from schemas.kafka import (
@@ -260,8 +260,10 @@ class Worker:
 
     async def _consume(self, consumer: AIOKafkaConsumer) -> None:
         watch = LogResetWatch(consumer, "requests")
+        stretch = FetchWaitAdjuster(consumer, "requests")
         while True:
             batches = await consumer.getmany(timeout_ms=1000, max_records=256)
+            await stretch.after_poll(bool(batches))
             if not batches:
                 # Only once the broker has failed us: a healthy log never needs the check.
                 if self._broker_trouble:

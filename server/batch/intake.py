@@ -18,7 +18,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from kvstore.batch_store import BatchStore
-from kvstore.kafka_log import commit_within, rewind_to_committed
+from kvstore.kafka_log import FetchWaitAdjuster, commit_within, rewind_to_committed
 from schemas.batch import kafka_item_decoder
 from schemas.names import batch_submit_group, batch_submit_topic, pool_topic
 from schemas.status import WorkerStatus
@@ -87,12 +87,14 @@ class KafkaIntake:
     async def _run(self) -> None:
         assert self._consumer is not None
         consumer = self._consumer
+        stretch = FetchWaitAdjuster(consumer, "batch intake")
         while True:
             try:
                 if not self.live_workers():
                     await asyncio.sleep(0.5)  # nothing can be prepared without a worker's context length
                     continue
                 batches = await consumer.getmany(timeout_ms=200, max_records=256)
+                await stretch.after_poll(bool(batches))
                 for tp, records in batches.items():
                     for r in records:
                         await self._take(tp.partition, r.offset, r.timestamp, r.value)

@@ -21,7 +21,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from aiokafka.errors import KafkaError
 
 from kvstore.batch_store import BatchStore
-from kvstore.kafka_log import commit_within
+from kvstore.kafka_log import FetchWaitAdjuster, commit_within
 from schemas.batch import ItemMeta
 from schemas.kafka import Chunk, reply_decoder
 from schemas.names import batch_results_group, batch_results_topic
@@ -110,9 +110,11 @@ class ResultCollector:
         assert self._consumer is not None
         last_commit = time.monotonic()
         last_gc = time.monotonic()
+        stretch = FetchWaitAdjuster(self._consumer, "batch results")
         while True:
             try:
                 batches = await self._consumer.getmany(timeout_ms=200, max_records=2048)
+                await stretch.after_poll(bool(batches))
                 for tp, records in batches.items():
                     await self._handle(tp, [(r.offset, r.value) for r in records])
                 now = time.monotonic()
