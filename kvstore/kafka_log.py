@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -102,6 +103,8 @@ async def rewind_to_committed(consumer: AIOKafkaConsumer) -> None:
 
 # Fetch wait of a reader that lags behind its log while its fetches come back empty (FetchWaitAdjuster).
 LAGGING_FETCH_WAIT_MS = 500
+# How often a reader that is getting records checks whether some partition makes no progress.
+PROGRESS_CHECK_S = 0.2
 
 
 class FetchWaitAdjuster:
@@ -124,38 +127,62 @@ class FetchWaitAdjuster:
         self._fetcher = consumer._fetcher
         self._base_ms: int = self._fetcher._fetch_max_wait_ms
         self.stretched = False
+        self._last: dict[TopicPartition, int] = {}
+        self._checked_at = 0.0
 
     async def after_poll(self, got_records: bool) -> None:
-        """Call after every poll with whether it returned records."""
-        if got_records and not self.stretched:
+        """Call after every poll with whether it returned records.
+
+        Progress is judged per partition: with several assigned (rolled replies topics, pool partitions),
+        records from a short one must not hide a long one that returns nothing.
+        """
+        now = time.monotonic()
+        if got_records and not self.stretched and now - self._checked_at < PROGRESS_CHECK_S:
             return
-        behind = await self._behind()
-        if behind and not got_records and not self.stretched and self._lagging_wait_ms > self._base_ms:
+        self._checked_at = now
+        stuck = behind = 0
+        positions = {}
+        paused = self._consumer.paused()
+        for tp, position, end in await positions_and_ends(self._consumer):
+            positions[tp] = position
+            if tp in paused or position >= end:
+                continue
+            behind += end - position
+            if self._last.get(tp) == position:
+                stuck += end - position
+        self._last = positions
+        if stuck and not self.stretched and self._lagging_wait_ms > self._base_ms:
             self.stretched = True
             self._fetcher._fetch_max_wait_ms = self._lagging_wait_ms
             log.info(
-                "%s: fetches come back empty with %d record(s) waiting (a broker slower to read than the %d ms "
+                "%s: fetches bring nothing of %d record(s) waiting (a broker slower to read than the %d ms "
                 "fetch wait); waiting up to %d ms per fetch until caught up",
-                self._name, behind, self._base_ms, self._lagging_wait_ms,
+                self._name, stuck, self._base_ms, self._lagging_wait_ms,
             )
         elif self.stretched and not behind:
             self.stretched = False
             self._fetcher._fetch_max_wait_ms = self._base_ms
 
-    async def _behind(self) -> int:
-        """Records between the assigned partitions' positions and the latest high watermarks."""
-        total = 0
-        paused = self._consumer.paused()
-        for tp in self._consumer.assignment() - paused:
-            end = self._consumer.highwater(tp)
-            if end is None:
-                continue
-            try:
-                position = await asyncio.wait_for(self._consumer.position(tp), 0.05)
-            except TimeoutError:
-                continue
-            total += max(0, end - position)
-        return total
+
+async def positions_and_ends(consumer: AIOKafkaConsumer) -> list[tuple[TopicPartition, int, int]]:
+    """(partition, position, high watermark of its latest fetch) for each assigned partition that has both.
+
+    The end is the high watermark fetch responses carry, not a ListOffsets answer: Tansu answers that
+    with the last batch's base offset + 1, short of the end by the rest of that batch.
+    """
+    out = []
+    for tp in consumer.assignment():
+        end = consumer.highwater(tp)
+        if end is None:
+            continue
+        try:
+            # position() waits (up to the request timeout) while a position is being reset; a check
+            # must never hold up the reader it watches.
+            position = await asyncio.wait_for(consumer.position(tp), 0.05)
+        except TimeoutError:
+            continue
+        out.append((tp, position, end))
+    return out
 
 
 class LogResetWatch:
@@ -166,23 +193,9 @@ class LogResetWatch:
         self._name = name
 
     async def check(self) -> list[TopicPartition]:
-        """Call when a poll came back empty; returns the partitions it rewound.
-
-        The end is the high watermark of the latest fetch response, which the idle consumer keeps getting.
-        (Tansu's ListOffsets answer advances by one per produced batch, not per record, so it cannot be
-        compared with a position.)
-        """
+        """Call when a poll came back empty; returns the partitions it rewound."""
         rewound = []
-        for tp in self._consumer.assignment():
-            end = self._consumer.highwater(tp)
-            if end is None:
-                continue
-            try:
-                # position() waits (up to the request timeout) while a position is being reset; a check
-                # must never hold up the reader it watches.
-                position = await asyncio.wait_for(self._consumer.position(tp), 0.05)
-            except TimeoutError:
-                continue
+        for tp, position, end in await positions_and_ends(self._consumer):
             if position > end:
                 log.warning(
                     "%s: position %d is past the end (%d) of %s[%d]: the broker lost this log (restarted "

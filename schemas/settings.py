@@ -81,7 +81,7 @@ class FrontendSettings(CommonSettings):
         metadata=_help("unique id; names this frontend's replies topic"),
     )
     replies_roll_records: int = dataclasses.field(
-        default=10_000,
+        default=4_000,
         metadata=_help(
             "start a fresh replies topic after this many records (the embedded broker's fetches slow down "
             "as a partition grows); 0 = one topic for the frontend's life"
