@@ -78,6 +78,8 @@ class Generation:
         self.first_offset = 0
         self.deadline = 0.0
         self._submitted: list[Sequence] = []
+        # Sequences being moved, by request id: True if lost again meanwhile (move once more).
+        self._moving: dict[str, bool] = {}
         self._closed = False
         self._detached = False
         self._failed = False
@@ -222,18 +224,33 @@ class Generation:
         """The sequence's worker left the registry: move the sequence elsewhere (in the background)."""
         if self._closed or seq.finished:
             return
-        task = asyncio.create_task(self._migrate(seq), name=f"migrate-{seq.request_id}")
+        rid = seq.request_id
+        if rid in self._moving:
+            # Lost again while moving: two moves at once would both claim the next attempt with different
+            # tokens so far. (A broker that loses its log twice, as Tansu does after an empty restart,
+            # takes the move's own marker or request with it.) Move once more when this move is done.
+            self._moving[rid] = True
+            return
+        self._moving[rid] = False
+        task = asyncio.create_task(self._migrate(seq), name=f"migrate-{rid}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _migrate(self, seq: Sequence) -> None:
+        rid = seq.request_id
         try:
-            await self._move(seq)
+            while True:
+                await self._move(seq)
+                if not self._moving.get(rid) or seq.finished or self._closed:
+                    return
+                self._moving[rid] = False
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("migrating %s failed", seq.request_id)
+            log.exception("migrating %s failed", rid)
             self._fail(seq, f"could not move the sequence: {exc!r}")
+        finally:
+            self._moving.pop(rid, None)
 
     async def _move(self, seq: Sequence) -> None:
         """Send the prompt and the tokens so far to another worker; its chunks continue the stream."""
