@@ -42,7 +42,11 @@ async def test_disconnect_aborts_in_the_engine_and_stats_follow(vllm_stack: Vllm
             assert r.status_code == 200
             worker = r.headers["x-ferry-worker"]
             tokens = 0
-            async for _id, data in sse_events(r):
+            # Held until the block ends: left to the garbage collector after the break, the generator
+            # would be finalized, closing the response and with it the connection, and the frontend
+            # rightly cancels a stream whose client went away (the test failed so, only in the full suite).
+            events = sse_events(r)
+            async for _id, data in events:
                 delta = json.loads(data)["choices"][0]["delta"]
                 tokens += bool(delta.get("content"))
                 if tokens >= 3:
