@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -27,26 +28,28 @@ log = logging.getLogger("ferry.kafka")
 COMMIT_TIMEOUT_S = 5.0
 
 
-async def ensure_topics(bootstrap: str, topics: dict[str, int]) -> None:
-    """Create each topic with its number of partitions unless it exists."""
+@contextlib.asynccontextmanager
+async def _admin(bootstrap: str) -> AsyncIterator[AIOKafkaAdminClient]:
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
+        yield admin
+    finally:
+        await admin.close()
+
+
+async def ensure_topics(bootstrap: str, topics: dict[str, int]) -> None:
+    """Create each topic with its number of partitions unless it exists."""
+    async with _admin(bootstrap) as admin:
         for topic, partitions in topics.items():
             with contextlib.suppress(TopicAlreadyExistsError):
                 await admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
-    finally:
-        await admin.close()
 
 
 async def delete_topics(bootstrap: str, topics: list[str]) -> None:
     """Delete topics (those already gone are fine)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
+    async with _admin(bootstrap) as admin:
         await admin.delete_topics(topics)
-    finally:
-        await admin.close()
 
 
 async def send_and_wait(

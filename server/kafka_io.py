@@ -219,10 +219,13 @@ class ReplyDemux:
             return
         tail.streams.discard(stream.id)
         if not tail.streams and tail is not self._current:
-            # Nothing open replies there any more: stop reading it, delete it once no resume can want it.
-            del self._tails[tail.topic]
-            self._doomed.append((time.monotonic() + self._retain_s, tail.topic))
-            self._reassign = True
+            self._retire(tail)
+
+    def _retire(self, tail: _Tail) -> None:
+        """Nothing open replies on `tail` any more: stop reading it, delete it once no resume can want it."""
+        del self._tails[tail.topic]
+        self._doomed.append((time.monotonic() + self._retain_s, tail.topic))
+        self._reassign = True
 
     def fail_worker(self, worker_id: str | None, error: ErrorInfo) -> list[tuple[str, bool]]:
         """Hand every sequence running on `worker_id` (None: on any worker) to its stream's migration, else
@@ -303,9 +306,7 @@ class ReplyDemux:
         new.position = await self._consumer.position(TopicPartition(topic, 0))
         self._current = new
         if not old.streams:
-            del self._tails[old.topic]
-            self._doomed.append((time.monotonic() + self._retain_s, old.topic))
-            self._reassign = True
+            self._retire(old)
         if self._metrics is not None:
             self._metrics.reply_topic_rolls.inc()
         log.info(

@@ -12,6 +12,7 @@ import pytest
 import pytest_asyncio
 
 from server.services import start_broker, start_redis
+from tests.harness import Harness, harness
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +38,14 @@ async def redis_url() -> AsyncIterator[str]:
     child, url = await start_redis()
     yield url
     await child.stop()
+
+
+@pytest_asyncio.fixture
+async def h(kafka: str, redis_url: str, prefix: str, model_path: Path) -> AsyncIterator[Harness]:
+    """An in-process Ferry of the test's own (workers and frontends added by the test) on the session's
+    broker and Redis."""
+    async with harness(kafka, redis_url, prefix, model_path) as hh:
+        yield hh
 
 
 @pytest.fixture

@@ -8,29 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
-import pytest_asyncio
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.registry import Registry
 from schemas.names import RedisKeys
 from schemas.status import WorkerStatus
-from tests.harness import Harness, harness, sse_events, worker_process
+from tests.harness import Harness, sse_events, worker_process
 
 pytestmark = pytest.mark.integration
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest_asyncio.fixture
-async def h(kafka: str, redis_url: str, prefix: str, model_path: Path) -> AsyncIterator[Harness]:
-    async with harness(kafka, redis_url, prefix, model_path) as hh:
-        yield hh
 
 
 def chat(i: int, max_tokens: int, **kw: object) -> dict[str, object]:

@@ -14,26 +14,18 @@ import json
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
-import pytest_asyncio
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas.names import request_topic
-from tests.harness import Harness, frontend_process, harness, sse_events, worker_process
+from tests.harness import Harness, frontend_process, sse_events, worker_process
 
 pytestmark = pytest.mark.integration
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest_asyncio.fixture
-async def h(kafka: str, redis_url: str, prefix: str, model_path: Path) -> AsyncIterator[Harness]:
-    async with harness(kafka, redis_url, prefix, model_path) as hh:
-        yield hh
 
 
 def chat(max_tokens: int, stream: bool = True, content: str = "Tell me a story") -> dict[str, object]:

@@ -4,24 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
-import pytest_asyncio
 
-from tests.harness import Harness, harness, sse_events, worker_process
+from tests.harness import Harness, sse_events, worker_process
 
 pytestmark = pytest.mark.integration
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest_asyncio.fixture
-async def h(kafka: str, redis_url: str, prefix: str, model_path: Path) -> AsyncIterator[Harness]:
-    async with harness(kafka, redis_url, prefix, model_path) as hh:
-        yield hh
 
 
 def chat(content: str = "Hello there", **kw: object) -> dict[str, object]:

@@ -8,31 +8,23 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import msgspec
 import pytest
-import pytest_asyncio
 import redis.asyncio as aioredis
 
 from kvstore.registry import Registry
 from schemas.kafka import SamplingParams, reply_decoder
 from schemas.names import RedisKeys
 from server.services import Child
-from tests.harness import Harness, harness, sse_events, worker_process
+from tests.harness import Harness, sse_events, worker_process
 from tests.integration.test_worker import Client
 
 pytestmark = pytest.mark.integration
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest_asyncio.fixture
-async def h(kafka: str, redis_url: str, prefix: str, model_path: Path) -> AsyncIterator[Harness]:
-    async with harness(kafka, redis_url, prefix, model_path) as hh:
-        yield hh
 
 
 def body(**kw: object) -> dict[str, object]:

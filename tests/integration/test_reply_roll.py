@@ -6,12 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import pytest
-import pytest_asyncio
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
@@ -19,7 +16,7 @@ from schemas.kafka import Chunk, request_encoder
 from server.kafka_io import ReplyDemux
 from server.router import Decision
 from server.streams import ClientStream, Sequence
-from tests.harness import Harness, harness, sse_events, until
+from tests.harness import Harness, sse_events, until
 
 pytestmark = pytest.mark.integration
 
@@ -94,12 +91,6 @@ async def test_demux_rolls_reads_old_topics_while_used_then_deletes_them(kafka: 
     finally:
         await demux.stop()
         await producer.stop()
-
-
-@pytest_asyncio.fixture
-async def h(kafka: str, redis_url: str, prefix: str, model_path: Path) -> AsyncIterator[Harness]:
-    async with harness(kafka, redis_url, prefix, model_path) as hh:
-        yield hh
 
 
 async def test_requests_across_rolls_complete_and_a_stream_resumes_from_its_topic(h: Harness) -> None:

@@ -4,26 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import pytest
-import pytest_asyncio
 
-from tests.harness import Harness, harness, sse_events
+from tests.harness import Harness, sse_events
 
 pytestmark = pytest.mark.integration
 
 MODEL = "SmolLM2-135M-Instruct"
 RESUMABLE = {"x-ferry-resumable": "1"}
 Event = tuple[str | None, str]
-
-
-@pytest_asyncio.fixture
-async def h(kafka: str, redis_url: str, prefix: str, model_path: Path) -> AsyncIterator[Harness]:
-    async with harness(kafka, redis_url, prefix, model_path) as hh:
-        yield hh
 
 
 def chat(**kw: object) -> dict[str, object]:

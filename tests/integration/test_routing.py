@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
-import pytest_asyncio
 import redis.asyncio as aioredis
 
 from kvstore.hashing import block_hashes, chain_seed
@@ -20,12 +18,6 @@ from tests.harness import Harness, harness, worker_process
 pytestmark = pytest.mark.integration
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest_asyncio.fixture
-async def h(kafka: str, redis_url: str, prefix: str, model_path: Path) -> AsyncIterator[Harness]:
-    async with harness(kafka, redis_url, prefix, model_path) as hh:
-        yield hh
 
 
 def _prompt(seed: int, n: int) -> list[int]:

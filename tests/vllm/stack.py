@@ -126,9 +126,7 @@ class VllmStack:
     async def diagnose(self, worker_id: str) -> str:
         """What a failed wait should show: the worker's request counters and the last lines it printed."""
         try:
-            st = await self.status(worker_id)
-            async with httpx.AsyncClient(timeout=10) as c:
-                text = (await c.get(st.metrics_url)).text if st else ""
+            text = await self._metrics_text(worker_id)
             outcomes = [ln for ln in text.splitlines() if ln.startswith("ferry_worker_requests_total{")]
         except Exception as exc:  # the worker may be gone: say so instead of hiding the first failure
             outcomes = [repr(exc)]
@@ -136,14 +134,16 @@ class VllmStack:
         tail = "\n".join(child.tail) if child is not None else "(no such child)"
         return f"requests by outcome: {outcomes}\nlast output of {worker_id}:\n{tail}"
 
-    async def metrics(self, worker_id: str) -> dict[str, float]:
-        """The worker's /metrics samples without labels, by name."""
+    async def _metrics_text(self, worker_id: str) -> str:
         st = await self.status(worker_id)
         assert st is not None and st.metrics_url
         async with httpx.AsyncClient(timeout=10) as c:
-            text = (await c.get(st.metrics_url)).text
+            return (await c.get(st.metrics_url)).text
+
+    async def metrics(self, worker_id: str) -> dict[str, float]:
+        """The worker's /metrics samples without labels, by name."""
         out: dict[str, float] = {}
-        for line in text.splitlines():
+        for line in (await self._metrics_text(worker_id)).splitlines():
             if line and not line.startswith("#") and "{" not in line:
                 name, _, value = line.partition(" ")
                 out[name] = float(value)

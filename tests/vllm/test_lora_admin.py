@@ -4,29 +4,21 @@ clear errors when no worker has LoRA slots, when a worker never answers, and the
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
-import pytest_asyncio
 import redis.asyncio as aioredis
 
 from kvstore.registry import Registry
 from schemas.names import RedisKeys
 from schemas.settings import DEFAULT_MODEL_NAME as BASE
 from schemas.status import WorkerStatus
-from tests.harness import Harness, harness
+from tests.harness import Harness
 
 pytestmark = pytest.mark.integration
 
 LOAD = "/v1/admin/load_lora_adapter"
-
-
-@pytest_asyncio.fixture
-async def h(kafka: str, redis_url: str, prefix: str, model_path: Path) -> AsyncIterator[Harness]:
-    async with harness(kafka, redis_url, prefix, model_path) as hh:
-        yield hh
 
 
 async def test_sim_workers_have_no_lora_slots(h: Harness, tmp_path: Path) -> None:
