@@ -66,7 +66,7 @@ class Generation:
         self.prepared = prepared
         self.id = request_id
         self.resumable = resumable
-        self.stream = ClientStream(request_id, on_lost=self._worker_lost)
+        self.stream = ClientStream(request_id, on_lost=self._worker_lost, on_gap=self._chunk_lost)
         self.created = int(time.time())
         self.started_at = time.perf_counter()
         self.first_token_at: float | None = None
@@ -235,6 +235,11 @@ class Generation:
         task = asyncio.create_task(self._migrate(seq), name=f"migrate-{rid}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _chunk_lost(self, seq: Sequence) -> None:
+        """A reply chunk of the sequence never reached the topic: its attempt cannot go on, so move it."""
+        self.svc.metrics.reply_gaps.inc()
+        self._worker_lost(seq)
 
     async def _migrate(self, seq: Sequence) -> None:
         rid = seq.request_id

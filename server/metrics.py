@@ -52,6 +52,11 @@ class FrontendMetrics:
         self.worker_failures = Counter(
             "ferry_worker_failures", "Sequences ended because their worker died", registry=r
         )
+        self.reply_gaps = Counter(
+            "ferry_reply_gaps",
+            "Sequences moved because a reply chunk never reached the replies topic",
+            registry=r,
+        )
         self.router_decision_seconds = Histogram(
             "ferry_router_decision_seconds", "Time to choose a worker", buckets=_FAST_BUCKETS, registry=r
         )

@@ -9,6 +9,7 @@ produce the same SSE events with the same ids. The frontend's own decisions that
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Protocol
 from schemas.kafka import Chunk, ErrorInfo
 from server.metrics import FrontendMetrics
 from server.router import Decision
+
+log = logging.getLogger(__name__)
 
 # Sequence number of a migration marker: below every real chunk's, so it never becomes output.
 MARKER_SEQ = -1
@@ -37,6 +40,8 @@ class Sequence:
     attempt: int = 0
     token_ids: list[int] = field(default_factory=list)
     switched: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set when a chunk of the current attempt went missing: nothing more of this attempt counts.
+    broken: bool = False
 
     @property
     def worker_id(self) -> str:
@@ -70,6 +75,8 @@ class ClientStream:
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     # Called when a sequence's worker died (set by the owning Generation: it migrates the sequence).
     on_lost: Callable[[Sequence], None] | None = None
+    # Called when a chunk of a sequence never arrived (set by the owning Generation: it migrates the sequence).
+    on_gap: Callable[[Sequence], None] | None = None
 
     def put(self, chunk: Chunk) -> None:
         """Accept one chunk from Kafka; duplicates and chunks of superseded attempts are dropped."""
@@ -81,8 +88,23 @@ class ClientStream:
                 return  # from a worker the sequence already moved away from
             # The first chunk of a newer attempt is its marker, written before the request was sent.
             seq.attempt = chunk.attempt
+            seq.broken = False
             seq.switched.set()
         if chunk.seq < seq.next_seq:
+            return
+        if seq.broken and not (chunk.seq == seq.next_seq and chunk.finish_reason == "error"):
+            return  # only an error ending (the frontend's own, when the move fails) still counts
+        if chunk.seq > seq.next_seq:
+            # A chunk before this one never reached the topic (the worker's produce failed, e.g. while the
+            # broker restarted): its tokens are gone, so the attempt cannot go on. Moving the sequence
+            # re-sends the tokens that did arrive; a replay of the topic drops the same chunks.
+            seq.broken = True
+            if self.on_gap is not None:
+                log.warning(
+                    "%s: chunk %d of attempt %d arrived after chunk %d; moving the sequence",
+                    seq.request_id, chunk.seq, seq.attempt, seq.next_seq - 1,
+                )
+                self.on_gap(seq)
             return
         seq.next_seq = chunk.seq + 1
         seq.token_ids.extend(chunk.token_ids)

@@ -10,6 +10,7 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable
+from typing import NamedTuple
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -43,6 +44,9 @@ from workers.pool_consumer import PoolConsumer
 log = logging.getLogger("ferry.worker")
 
 HEARTBEAT_MISSES = 3
+# Produces of one reply record before it counts as lost (Tansu fails a produce once with UnknownError for
+# a topic that changed under the producer's metadata, e.g. after an empty restart).
+SEND_TRIES = 3
 # Routed requests remembered for deduplication: a redelivered one is not run (and answered) twice.
 SEEN_REQUESTS = 65536
 READY_MARK = "ferry-worker-ready"
@@ -57,6 +61,15 @@ async def _no_outputs() -> AsyncIterator[EngineOutput]:
     """The outputs of a sequence that never reaches the engine."""
     return
     yield
+
+
+class Outgoing(NamedTuple):
+    """One record on its way to a frontend's topic, and how often producing it failed so far."""
+
+    topic: str
+    key: bytes
+    value: bytes
+    tries: int = 0
 
 
 class Worker:
@@ -95,7 +108,7 @@ class Worker:
         self._stop_error = ErrorInfo("worker_stopped", "worker stopped before finishing", retriable=True)
         self.pool: PoolConsumer | None = None  # batch work (workers/pool_consumer.py), unless --no-pool
         # One sender keeps every request's chunks in order and pushes back on the engine when Kafka lags.
-        self._outbox: asyncio.Queue[tuple[str, bytes, bytes]] = asyncio.Queue(maxsize=4096)
+        self._outbox: asyncio.Queue[Outgoing] = asyncio.Queue(maxsize=4096)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -457,8 +470,8 @@ class Worker:
             self.metrics.requests.labels("error").inc()
 
     @staticmethod
-    def _encode(req: GenerateRequest, chunk: Chunk) -> tuple[str, bytes, bytes]:
-        return req.reply_topic, req.request_id.encode(), request_encoder.encode(chunk)
+    def _encode(req: GenerateRequest, chunk: Chunk) -> Outgoing:
+        return Outgoing(req.reply_topic, req.request_id.encode(), request_encoder.encode(chunk))
 
     async def _send(self, req: GenerateRequest, chunk: Chunk) -> None:
         """Queue one chunk for the request's reply topic (waits while the outbox is full)."""
@@ -470,30 +483,42 @@ class Worker:
         await self._outbox.put(self._encode(req, chunk))
 
     async def _send_ack(self, topic: str, ack: LoraAck) -> None:
-        await self._outbox.put((topic, ack.op_id.encode(), request_encoder.encode(ack)))
+        await self._outbox.put(Outgoing(topic, ack.op_id.encode(), request_encoder.encode(ack)))
 
     async def _send_loop(self) -> None:
         assert self._producer is not None
         while True:
-            topic, key, value = await self._outbox.get()
+            out = await self._outbox.get()
             try:
                 # Returns once the record is in the producer's batch; delivery is reported later.
                 # Partition 0 is the only one a frontend reads (and spares hashing the key per chunk).
-                delivery = await self._producer.send(topic, value, key=key, partition=0)
-                delivery.add_done_callback(self._on_delivery)
+                delivery = await self._producer.send(out.topic, out.value, key=out.key, partition=0)
+                delivery.add_done_callback(functools.partial(self._on_delivery, out))
             except KafkaError as exc:
-                self._on_send_error(exc)
+                self._on_send_error(out, exc)
             finally:
                 self._outbox.task_done()
 
-    def _on_delivery(self, fut: asyncio.Future[object]) -> None:
+    def _on_delivery(self, out: Outgoing, fut: asyncio.Future[object]) -> None:
         if not fut.cancelled() and fut.exception() is not None:
-            self._on_send_error(fut.exception())
+            self._on_send_error(out, fut.exception())
 
-    def _on_send_error(self, exc: BaseException | None) -> None:
+    def _on_send_error(self, out: Outgoing, exc: BaseException | None) -> None:
+        """Send a record again, behind whatever was queued since.
+
+        The copy may land after later chunks of the same request: the frontend sees the gap, moves the
+        sequence, and drops the copy (server/streams.py). A final chunk that follows nothing is saved.
+        """
         self._broker_trouble = True
         self.metrics.kafka_send_errors.inc()
-        log.warning("a reply chunk was not delivered: %r", exc)
+        if out.tries + 1 < SEND_TRIES:
+            with contextlib.suppress(asyncio.QueueFull):
+                self._outbox.put_nowait(out._replace(tries=out.tries + 1))
+                log.warning("a reply record was not delivered (%r); sending it again", exc)
+                if self._producer is not None:
+                    self._producer.client.force_metadata_update()
+                return
+        log.warning("a reply record was not delivered (%r); giving up on it", exc)
 
     # ---- heartbeat, health, KV events ----------------------------------------------------------
 

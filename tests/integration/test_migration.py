@@ -9,18 +9,21 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
 import pytest
 import redis.asyncio as aioredis
+from aiokafka.errors import UnknownError
 
 from kvstore.registry import Registry
 from schemas.kafka import SamplingParams, reply_decoder
 from schemas.names import RedisKeys
 from server.services import Child
-from tests.harness import Harness, sse_events, worker_process
+from tests.harness import Harness, RunningWorker, sse_events, worker_process
 from tests.integration.test_worker import Client
+from workers.worker import SEND_TRIES
 
 pytestmark = pytest.mark.integration
 
@@ -240,3 +243,70 @@ async def test_worker_back_after_a_late_heartbeat_takes_its_own_sequence_over(
     assert not any('"error"' in d for _, d in events), events[-3:]
     assert text_of(events) == reference["choices"][0]["message"]["content"]
     assert fe.metrics.worker_failures._value.get() == 1  # it did move
+
+
+def refuse_produce(w: RunningWorker, chunk_seq: int, times: int) -> list[str]:
+    """Make the worker's broker refuse the first reply chunk numbered `chunk_seq`, `times` times, the way
+    Tansu refuses a produce after an empty restart. Returns the request id it hit (once it has)."""
+    worker = w.worker
+    producer = worker._producer
+    assert producer is not None
+    send = producer.send
+    hit: list[str] = []
+    refused: list[bytes] = []
+
+    async def failing_send(topic: str, value: bytes, **kw: Any) -> asyncio.Future[Any]:
+        try:
+            chunk = reply_decoder.decode(value)
+        except msgspec.ValidationError:
+            return await send(topic, value, **kw)
+        first = not hit and chunk.seq == chunk_seq and chunk.attempt == 0
+        if (first or value in refused) and len(refused) < times:
+            hit[:] = [chunk.request_id]
+            refused.append(value)
+            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            fut.set_exception(UnknownError())
+            return fut
+        return await send(topic, value, **kw)
+
+    producer.send = failing_send  # type: ignore[method-assign]
+    return hit
+
+
+async def test_a_reply_chunk_the_broker_never_took_moves_the_sequence(
+    h: Harness, prefix: str
+) -> None:
+    # Refused every time: the chunks after it land, the frontend sees the gap, and the sequence moves
+    # with the tokens that did arrive. The stream goes on as one stream with nothing missing.
+    w = await h.add_worker()
+    fe, url = await h.add_frontend()
+    opts = {"stream": True, "stream_options": {"include_usage": True}, "max_tokens": 40}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        async with c.stream("POST", "/v1/chat/completions", json=body(**opts)) as r:
+            reference = [e async for e in sse_events(r)]
+        hit = refuse_produce(w, chunk_seq=5, times=SEND_TRIES)
+        async with asyncio.timeout(30):
+            async with c.stream("POST", "/v1/chat/completions", json=body(**opts)) as r:
+                events = [e async for e in sse_events(r)]
+    assert hit, "the injected failure never fired"
+    assert text_of(events) == text_of(reference)
+    assert json.loads(events[-2][1])["usage"]["completion_tokens"] == 40
+    ids = [int(i) for i, _ in events if i is not None]
+    assert ids == list(range(len(ids)))
+    assert fe.metrics.reply_gaps._value.get() == 1
+    assert w.worker.metrics.kafka_send_errors._value.get() == SEND_TRIES
+
+
+async def test_a_final_chunk_refused_once_is_sent_again(h: Harness, prefix: str) -> None:
+    # The last chunk has nothing behind it to reveal a gap: without the worker's second send the
+    # request would wait for --request-timeout-s.
+    w = await h.add_worker()
+    fe, url = await h.add_frontend(request_timeout_s=60)
+    hit = refuse_produce(w, chunk_seq=7, times=1)
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c, asyncio.timeout(30):
+        r = await c.post("/v1/chat/completions", json=body(max_tokens=8))
+    assert hit
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8
+    assert fe.metrics.reply_gaps._value.get() == 0
+    assert w.worker.metrics.kafka_send_errors._value.get() == 1

@@ -59,3 +59,38 @@ def test_an_ending_of_the_frontend_continues_the_numbering() -> None:
     _, last = s._items[-1]
     assert (last.seq, last.finish_reason, last.error is not None) == (1, "error", True)
     assert s.finished and s.ending(RID, ErrorInfo("x", "y")) is None
+
+
+def test_a_missing_chunk_breaks_the_attempt_once_until_a_marker_moves_it() -> None:
+    lost: list[str] = []
+    s = stream()
+    s.on_gap = lambda seq: lost.append(seq.request_id)
+    chunks = [
+        Chunk(RID, 0, [1]),
+        Chunk(RID, 2, [3]),  # chunk 1 never reached the topic
+        Chunk(RID, 3, [4]),
+        Chunk(RID, 1, [2]),  # chunk 1 sent again, too late: the sequence is already moving
+        marker(RID, 1, "w2"),
+        Chunk(RID, 1, [2], attempt=1),
+        Chunk(RID, 2, [3], finish_reason="length", attempt=1),
+    ]
+    out = accepted(s, chunks)
+    assert lost == [RID]
+    assert out == [(0, 0, [1]), (1, 1, [2]), (2, 1, [3])]
+    assert s.sequences[RID].token_ids == [1, 2, 3] and s.finished
+
+
+def test_a_broken_attempt_still_takes_the_frontends_error_ending() -> None:
+    s = stream()
+    s.put(Chunk(RID, 0, [1]))
+    s.put(Chunk(RID, 2, [3]))
+    s.fail(RID, ErrorInfo("worker_died", "the move failed", retriable=True))
+    _, last = s._items[-1]
+    assert (last.seq, last.finish_reason) == (1, "error") and s.finished
+
+
+def test_a_replay_drops_what_the_live_stream_dropped_after_a_gap() -> None:
+    chunks = [Chunk(RID, 0, [1]), Chunk(RID, 2, [3]), marker(RID, 1, "w2"), Chunk(RID, 1, [2], attempt=1)]
+    live = stream()
+    live.on_gap = lambda seq: None
+    assert accepted(live, list(chunks)) == accepted(stream(), list(chunks)) == [(0, 0, [1]), (1, 1, [2])]
