@@ -120,8 +120,6 @@ class Worker:
         self._registry = Registry(redis, RedisKeys(s.redis_prefix))
         self._kv_index = KVIndex(redis, RedisKeys(s.redis_prefix))
         self._kv = KVPublisher(self._kv_index, s.worker_id, s.served_model_name, self.metrics)
-        await self.engine.start()
-        await ensure_topic(s.kafka, self.topic)
         self._producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
         consumer = AIOKafkaConsumer(
             bootstrap_servers=s.kafka,
@@ -130,15 +128,18 @@ class Worker:
             auto_offset_reset="earliest",
             fetch_max_wait_ms=s.kafka_fetch_wait_ms,
         )
-        await self._producer.start()
-        await consumer.start()
-        consumer.assign([TopicPartition(self.topic, 0)])
-        if s.pool:
-            await ensure_topic(s.kafka, pool_topic(s.served_model_name), s.pool_partitions)
-            self.pool = PoolConsumer(s, self, BatchStore(redis, RedisKeys(s.redis_prefix)), self.metrics.registry)
-            await self.pool.start()
         tasks: list[asyncio.Task[None]] = []
         try:
+            # Inside the try: a start that fails (broker down) must still stop the engine and the clients.
+            await self.engine.start()
+            await ensure_topic(s.kafka, self.topic)
+            await self._producer.start()
+            await consumer.start()
+            consumer.assign([TopicPartition(self.topic, 0)])
+            if s.pool:
+                await ensure_topic(s.kafka, pool_topic(s.served_model_name), s.pool_partitions)
+                self.pool = PoolConsumer(s, self, BatchStore(redis, RedisKeys(s.redis_prefix)), self.metrics.registry)
+                await self.pool.start()
             # A previous process under this id may have left index entries its cache no longer backs.
             await self._kv_index.clear_worker(s.worker_id)
             # Register only once the inbox is positioned, so nothing routed to us can be missed.
