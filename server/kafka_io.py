@@ -318,8 +318,10 @@ class ReplyDemux:
         """Read exactly the live tails, each from its own position (assign() forgets positions)."""
         assert self._consumer is not None
         consumer = self._consumer
-        consumer.assign([TopicPartition(t, 0) for t in self._tails])
-        for tail in self._tails.values():
+        # A copy: a stream may end during an await below and retire its tail (the next poll reassigns).
+        tails = list(self._tails.values())
+        consumer.assign([TopicPartition(t.topic, 0) for t in tails])
+        for tail in tails:
             tp = TopicPartition(tail.topic, 0)
             if tail.position > 0:
                 consumer.seek(tp, tail.position)

@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.stack import FerryStack
 from server.services import Child, start_broker, start_redis
@@ -62,6 +63,21 @@ async def one(c: httpx.AsyncClient, i: int, rng: random.Random, deadline_s: floa
         return "hung", ""
     except httpx.HTTPError as exc:
         return "failed", type(exc).__name__
+
+
+# What the frontend did about the chaos: sequences moved (a worker lost, a reply chunk lost), replies rolled.
+COUNTERS = ("ferry_worker_failures_total", "ferry_reply_gaps_total", "ferry_reply_topic_rolls_total")
+
+
+async def frontend_counters(c: httpx.AsyncClient) -> dict[str, float]:
+    """The frontend's failure counters at the end of the run."""
+    text = (await c.get("/metrics")).text
+    return {
+        s.name: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name in COUNTERS
+    }
 
 
 def _service_addresses(stack: FerryStack) -> tuple[str, str]:
@@ -135,6 +151,7 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
             outcomes = Counter(outcome for outcome, _ in results)
             reasons = Counter(why for outcome, why in results if outcome == "failed")
             wall = time.monotonic() - t0
+            counters = await frontend_counters(c)
         done.set()
         await chaos_task
     finally:
@@ -144,8 +161,10 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
     accepted = args.requests - outcomes["refused"]
     result = {"requests": args.requests, "accepted": accepted, **{k: outcomes[k] for k in
               ("completed", "refused", "failed", "duplicated", "hung")}, "wall_s": round(wall, 1),
-              "failures": dict(reasons.most_common()), "events": events, "args": vars(args)}  # fmt: skip
-    print(json.dumps({k: v for k, v in result.items() if k not in ("events", "args")}))
+              "failures": dict(reasons.most_common()), "frontend": counters, "events": events,
+              "args": vars(args)}  # fmt: skip
+    print(json.dumps({k: v for k, v in result.items() if k not in ("events", "args", "frontend")}))
+    print("frontend:", json.dumps(counters))
     print("\n".join(events))
     return result
 

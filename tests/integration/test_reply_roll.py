@@ -4,6 +4,7 @@ requests are open, deletes it after the retention, and resumed streams still fin
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import uuid
 
@@ -134,3 +135,54 @@ async def test_requests_across_rolls_complete_and_a_stream_resumes_from_its_topi
     assert ids == list(range(len(ids)))
     assert events[-1] == (None, "[DONE]")
     assert json.loads(events[-2][1])["usage"]["completion_tokens"] == 120
+
+
+async def test_a_stream_that_ends_while_the_demux_reassigns_does_not_kill_it(kafka: str) -> None:
+    # Chaos run: the last stream of a retired topic ended during the reassignment's seek and the
+    # demux died ("dictionary changed size during iteration"), failing every open stream.
+    base = f"test.replies.{uuid.uuid4().hex[:8]}"
+    demux = ReplyDemux(kafka, base, fetch_wait_ms=5, roll_records=1, retain_s=60)
+    producer = AIOKafkaProducer(bootstrap_servers=kafka, linger_ms=0)
+    await producer.start()
+    await demux.start()
+    assert demux._consumer is not None
+    consumer = demux._consumer
+    seek = consumer.seek_to_beginning
+    ending: list[ClientStream] = []
+
+    async def rolled(before: str) -> bool:
+        return demux.topic != before
+
+    async def seek_while_a_stream_ends(*tps: object) -> None:
+        while ending:
+            demux.unregister(ending.pop())
+        await seek(*tps)  # type: ignore[arg-type]
+
+    consumer.seek_to_beginning = seek_while_a_stream_ends  # type: ignore[method-assign]
+    try:
+        streams = [stream_of(f"s{i}") for i in range(3)]
+        for i, s in enumerate(streams):
+            topic, _ = demux.register(s)
+            await producer.send_and_wait(topic, request_encoder.encode(Chunk(f"s{i}.0", 0, token_ids=[i])), partition=0)
+            assert await delivered(s, 1) == [i]
+
+            await until(functools.partial(rolled, topic), 20, 0.01)  # one record per topic
+        # s0 and s1 hold two old topics open. Rewind the first to 0 (what the demux does when the broker
+        # lost its log), so the next reassignment awaits a seek on it; s1 ends during that await.
+        demux._tails[base].position = 0
+        ending.append(streams[1])
+        last = stream_of("last")
+        topic, _ = demux.register(last)
+        await producer.send_and_wait(topic, request_encoder.encode(Chunk("last.0", 0, token_ids=[9])), partition=0)
+        assert await delivered(last, 1) == [9]
+        await until(functools.partial(rolled, topic), 20, 0.01)
+        assert not ending, "the injected end never ran"
+        assert demux.failed is None
+        # The demux lives on: `last` still gets its chunks from its (now old) topic.
+        await producer.send_and_wait(
+            topic, request_encoder.encode(Chunk("last.0", 1, token_ids=[10])), partition=0
+        )
+        assert await delivered(last, 1) == [10]
+    finally:
+        await demux.stop()
+        await producer.stop()
