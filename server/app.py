@@ -472,7 +472,12 @@ async def list_models(fe: Frontend, request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """GET /health: the process is alive."""
+    """GET /health: the process is alive and can still answer requests (503 once its reply consumer died)."""
+    fe: Frontend = request.app.state.frontend
+    failed = fe.svc.demux.failed if fe.svc else None
+    if failed is not None:
+        # Nothing this process sends out can come back: a supervisor should restart it.
+        return JSONResponse({"status": "failed", "reason": f"reply consumer failed: {failed!r}"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 

@@ -165,3 +165,26 @@ async def test_n_choices_stop_and_usage(h: Harness) -> None:
                                                        "stop": [stop]})).json()["choices"][0]
         assert cut["finish_reason"] == "stop"
         assert cut["text"] == full[: full.index(stop)]
+
+
+async def test_a_dead_reply_consumer_fails_health_and_requests(h: Harness) -> None:
+    # Nothing a frontend sends can come back once its reply consumer died: requests get 503 and /health
+    # says so, for a supervisor to restart the process.
+    await h.add_worker()
+    fe, url = await h.add_frontend()
+    assert fe.svc is not None and fe.svc.demux._consumer is not None
+    consumer = fe.svc.demux._consumer
+
+    async def broken(*args: object, **kw: object) -> object:
+        raise RuntimeError("injected")
+
+    consumer.getmany = broken  # type: ignore[method-assign]
+    assert fe.svc.demux._task is not None
+    await asyncio.wait([fe.svc.demux._task], timeout=10)  # its next poll raises
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        health = await c.get("/health")
+        assert health.status_code == 503
+        assert "injected" in health.json()["reason"]
+        r = await c.post("/v1/chat/completions", json=chat(max_tokens=5))
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "frontend_unavailable"
