@@ -112,7 +112,12 @@ def build_document(served_model_name: str, auth: bool) -> dict[str, Any]:
                     },
                 }
             },
-            "/health": _plain("The process is alive", "health", "application/json", {"200": "alive"}),
+            "/health": _plain(
+                "The process can answer requests",
+                "health",
+                "application/json",
+                {"200": "alive", "503": "the reply consumer died: restart the process"},
+            ),
             "/ready": _plain(
                 "A live worker serves the model",
                 "ready",
