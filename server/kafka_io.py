@@ -21,6 +21,9 @@ from server.streams import ClientStream
 
 log = logging.getLogger("ferry.frontend")
 
+# How long a replies topic that could not roll (broker away) is used before the roll is tried again.
+ROLL_RETRY_S = 1.0
+
 
 async def open_tail(bootstrap: str, topic: str, fetch_wait_ms: int) -> tuple[AIOKafkaConsumer, int]:
     """A started consumer of partition 0 of `topic` (created if missing), positioned at its end.
@@ -160,6 +163,7 @@ class ReplyDemux:
         self._tail_of: dict[str, _Tail] = {}  # stream id -> the tail its chunks arrive on
         self._current: _Tail | None = None
         self._rolls = 0
+        self._roll_after = 0.0  # monotonic time before which no roll is tried (after a failed one)
         self._reassign = False
         self._doomed: list[tuple[float, str]] = []  # (delete at, topic) of retired replies topics
         self._consumer: AIOKafkaConsumer | None = None
@@ -279,7 +283,11 @@ class ReplyDemux:
                         if stream is not None:
                             stream.put(chunk)
                 current = self._current
-                if current is not None and 0 < self._roll_records <= current.position:
+                if (
+                    current is not None
+                    and 0 < self._roll_records <= current.position
+                    and time.monotonic() >= self._roll_after
+                ):
                     await self._roll()
         except asyncio.CancelledError:
             raise
@@ -296,9 +304,15 @@ class ReplyDemux:
         """Start a fresh replies topic for new requests; the old one is read while its requests are open."""
         old = self._current
         assert old is not None
+        topic = f"{self._base}.{self._rolls + 1}"
+        try:
+            await ensure_topics(self._bootstrap, {topic: 1})
+        except (KafkaError, OSError, TimeoutError) as exc:
+            # The broker is away (restarting): stay on the current topic and try again a little later.
+            self._roll_after = time.monotonic() + ROLL_RETRY_S
+            log.warning("replies: could not create %s, staying on %s for now: %r", topic, old.topic, exc)
+            return
         self._rolls += 1
-        topic = f"{self._base}.{self._rolls}"
-        await ensure_topics(self._bootstrap, {topic: 1})
         new = self._tails[topic] = _Tail(topic, 0)
         await self._assign()
         # The position is resolved now, before any request names the topic (as in open_tail).

@@ -12,8 +12,10 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaConnectionError
 
 from schemas.kafka import Chunk, request_encoder
+from server import kafka_io
 from server.kafka_io import ReplyDemux
 from server.router import Decision
 from server.streams import ClientStream, Sequence
@@ -183,6 +185,42 @@ async def test_a_stream_that_ends_while_the_demux_reassigns_does_not_kill_it(kaf
             topic, request_encoder.encode(Chunk("last.0", 1, token_ids=[10])), partition=0
         )
         assert await delivered(last, 1) == [10]
+    finally:
+        await demux.stop()
+        await producer.stop()
+
+
+async def test_a_roll_the_broker_refuses_is_tried_again_later(kafka: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Chaos run: the broker was restarting when the demux wanted a fresh topic, and the admin client's
+    # KafkaConnectionError killed the reply consumer. Now it stays on its topic and rolls later.
+    base = f"test.replies.{uuid.uuid4().hex[:8]}"
+    demux = ReplyDemux(kafka, base, fetch_wait_ms=5, roll_records=1, retain_s=60)
+    real = kafka_io.ensure_topics
+    refused: list[str] = []
+
+    async def away_once(bootstrap: str, topics: dict[str, int]) -> None:
+        if not refused:
+            refused.extend(topics)
+            raise KafkaConnectionError("Unable to bootstrap (injected)")
+        await real(bootstrap, topics)
+
+    producer = AIOKafkaProducer(bootstrap_servers=kafka, linger_ms=0)
+    await producer.start()
+    await demux.start()
+    monkeypatch.setattr(kafka_io, "ensure_topics", away_once)
+    try:
+        s = stream_of("s")
+        topic, _ = demux.register(s)
+        for i in range(2):
+            await producer.send_and_wait(topic, request_encoder.encode(Chunk("s.0", i, token_ids=[i])), partition=0)
+            assert await delivered(s, 1) == [i]
+
+        async def rolled() -> bool:
+            return demux.topic != base
+
+        await until(rolled, 20, 0.01)
+        assert refused == [f"{base}.1"] and demux.topic == f"{base}.1"
+        assert demux.failed is None
     finally:
         await demux.stop()
         await producer.stop()
