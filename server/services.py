@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Sequence
+from typing import TextIO
 
 log = logging.getLogger("ferry.stack")
 
@@ -32,6 +33,7 @@ class Child:
         self._watchers: list[tuple[Callable[[str], bool], asyncio.Future[str]]] = []
         self._relay = asyncio.create_task(self._read(), name=f"relay-{name}")
         self.tail: list[str] = []
+        self.log: TextIO | None = None  # where every line is also written, when set
 
     @classmethod
     async def spawn(cls, name: str, argv: Sequence[str], echo: bool = True, env: dict[str, str] | None = None) -> Child:
@@ -51,6 +53,8 @@ class Child:
         async for raw in self.proc.stdout:
             line = raw.decode(errors="replace").rstrip()
             self.tail = [*self.tail[-49:], line]
+            if self.log is not None:
+                self.log.write(f"[{self.name}] {line}\n")
             if self._echo:
                 print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
             for pred, fut in list(self._watchers):

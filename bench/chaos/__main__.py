@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -18,6 +19,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TextIO
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -34,6 +36,9 @@ async def one(c: httpx.AsyncClient, i: int, rng: random.Random, deadline_s: floa
     words = " ".join(f"w{rng.randrange(5000)}" for _ in range(rng.choice([5, 50, 400])))
     body = {"model": MODEL, "messages": [{"role": "user", "content": words}], "max_tokens": max_tokens,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    ids: list[str] = []
+    datas: list[str] = []
+    started = ""
     try:
         async with asyncio.timeout(deadline_s):
             async with c.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -41,8 +46,7 @@ async def one(c: httpx.AsyncClient, i: int, rng: random.Random, deadline_s: floa
                     return "refused", ""
                 if r.status_code != 200:
                     return "failed", f"http {r.status_code}"
-                ids: list[str] = []
-                datas: list[str] = []
+                started = f"{r.headers.get('x-request-id')} on {r.headers.get('x-ferry-worker')}"
                 async for line in r.aiter_lines():
                     if line.startswith("id:"):
                         ids.append(line[3:].strip())
@@ -60,7 +64,7 @@ async def one(c: httpx.AsyncClient, i: int, rng: random.Random, deadline_s: floa
             return "failed", f"{usage.get('completion_tokens')} of {max_tokens} tokens"
         return "completed", ""
     except TimeoutError:
-        return "hung", ""
+        return "hung", f"{started or 'no response'}: {len(ids)} events, {max_tokens} tokens asked"
     except httpx.HTTPError as exc:
         return "failed", type(exc).__name__
 
@@ -122,11 +126,13 @@ async def chaos(stack: FerryStack, args: argparse.Namespace, rng: random.Random,
         await restarted[wid].proc.wait()
         events.append(f"{elapsed:.1f}s killed {wid}")
         restarted[wid] = await Child.spawn(wid, worker_argv(wid, kafka, redis, args.speedup), echo=False)
+        restarted[wid].log = stack.child.log
 
 
-async def main(args: argparse.Namespace) -> dict[str, object]:
+async def main(args: argparse.Namespace, log_file: TextIO | None) -> dict[str, object]:
     rng = random.Random(args.seed)
     stack = await FerryStack.start(1, args.speedup, ["--migration-limit", str(args.migration_limit)])
+    stack.child.log = log_file
     events: list[str] = []
     extra: dict[str, Child] = {}
     try:
@@ -134,6 +140,7 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
         for k in range(args.workers):
             wid = f"chaos-{k}"
             extra[wid] = await Child.spawn(wid, worker_argv(wid, kafka, redis, args.speedup), echo=False)
+            extra[wid].log = log_file
         await asyncio.gather(*(w.wait_for_line(lambda x: x.startswith("ferry-worker-ready"), 120)
                                for w in extra.values()))  # fmt: skip
         done = asyncio.Event()
@@ -150,6 +157,7 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
             results = await asyncio.gather(*(bounded(i) for i in range(args.requests)))
             outcomes = Counter(outcome for outcome, _ in results)
             reasons = Counter(why for outcome, why in results if outcome == "failed")
+            hung = [why for outcome, why in results if outcome == "hung"]
             wall = time.monotonic() - t0
             counters = await frontend_counters(c)
         done.set()
@@ -161,9 +169,10 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
     accepted = args.requests - outcomes["refused"]
     result = {"requests": args.requests, "accepted": accepted, **{k: outcomes[k] for k in
               ("completed", "refused", "failed", "duplicated", "hung")}, "wall_s": round(wall, 1),
-              "failures": dict(reasons.most_common()), "frontend": counters, "events": events,
+              "failures": dict(reasons.most_common()), "hung_requests": hung, "frontend": counters, "events": events,
               "args": vars(args)}  # fmt: skip
-    print(json.dumps({k: v for k, v in result.items() if k not in ("events", "args", "frontend")}))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("events", "args", "frontend", "hung_requests")}))
+    print("\n".join(f"hung: {h}" for h in hung))
     print("frontend:", json.dumps(counters))
     print("\n".join(events))
     return result
@@ -182,5 +191,7 @@ if __name__ == "__main__":
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--migration-limit", type=int, default=3, help="the frontend's (Ferry's default: 3)")
     p.add_argument("--out", default="bench/results/chaos.json")
+    p.add_argument("--log", help="write every process's output here (ferry up's and the workers')")
     a = p.parse_args()
-    Path(a.out).write_text(json.dumps(asyncio.run(main(a)), indent=1))
+    with open(a.log, "w") if a.log else contextlib.nullcontext() as log_file:
+        Path(a.out).write_text(json.dumps(asyncio.run(main(a, log_file)), indent=1))
