@@ -22,6 +22,11 @@ from server.streams import ClientStream, Sequence, StreamSpec, marker
 
 log = logging.getLogger("ferry.frontend")
 
+# A moved sequence with no chunk this long after its request went out is moved again (at most
+# MOVE_STALLS times): a broker that restarted empty (Tansu) can lose what a move sends.
+MOVE_STALL_S = 10.0
+MOVE_STALLS = 3
+
 
 @dataclass
 class Services:
@@ -220,16 +225,21 @@ class Generation:
 
     # ---- migration -------------------------------------------------------------------------------
 
-    def _worker_lost(self, seq: Sequence) -> None:
-        """The sequence's worker left the registry: move the sequence elsewhere (in the background)."""
+    def _worker_lost(self, seq: Sequence, worker_died: bool = True) -> None:
+        """The sequence's worker left the registry (or its chunks were lost): move it (in the background)."""
         if self._closed or seq.finished:
             return
+        if worker_died:
+            seq.moves += 1
         rid = seq.request_id
         if rid in self._moving:
             # Lost again while moving: two moves at once would both claim the next attempt with different
             # tokens so far. (A broker that loses its log twice, as Tansu does after an empty restart,
-            # takes the move's own marker or request with it.) Move once more when this move is done.
+            # takes the move's own marker or request with it.) Move once more when this move is done, or
+            # at once if it still waits for its marker, which may have gone with the log.
             self._moving[rid] = True
+            seq.switched.set()
+            seq.progressed.set()
             return
         self._moving[rid] = False
         task = asyncio.create_task(self._migrate(seq), name=f"migrate-{rid}")
@@ -239,13 +249,15 @@ class Generation:
     def _chunk_lost(self, seq: Sequence) -> None:
         """A reply chunk of the sequence never reached the topic: its attempt cannot go on, so move it."""
         self.svc.metrics.reply_gaps.inc()
-        self._worker_lost(seq)
+        self._worker_lost(seq, worker_died=False)
 
     async def _migrate(self, seq: Sequence) -> None:
         rid = seq.request_id
         try:
             while True:
-                await self._move(seq)
+                sent_at = await self._move(seq)
+                if not self._moving.get(rid) and sent_at is not None and not await self._started(seq, sent_at):
+                    self._stalled(seq, f"nothing came from worker {seq.worker_id}")
                 if not self._moving.get(rid) or seq.finished or self._closed:
                     return
                 self._moving[rid] = False
@@ -257,17 +269,44 @@ class Generation:
         finally:
             self._moving.pop(rid, None)
 
-    async def _move(self, seq: Sequence) -> None:
-        """Send the prompt and the tokens so far to another worker; its chunks continue the stream."""
-        old = seq.decision.worker_id
+    def _stalled(self, seq: Sequence, what: str) -> None:
+        """A move got no answer within MOVE_STALL_S: a broker that lost its log (Tansu restarted empty) can
+        lose what a move sends too (its marker, its request). Move again, a few times; then give up."""
+        if seq.stalls == MOVE_STALLS:
+            self._fail(seq, f"moving the sequence failed: {what} within {MOVE_STALL_S:.0f}s, {MOVE_STALLS + 1} times")
+            return
+        seq.stalls += 1
+        log.warning("%s: %s within %.0fs of the move; moving it again", seq.request_id, what, MOVE_STALL_S)
+        self._moving[seq.request_id] = True
+
+    async def _started(self, seq: Sequence, sent_at: int) -> bool:
+        """True once the moved sequence produced a chunk (or ended, or was lost again); False after
+        MOVE_STALL_S without any."""
+        rid = seq.request_id
+        try:
+            async with asyncio.timeout(MOVE_STALL_S):
+                while seq.next_seq <= sent_at and not seq.finished and not self._moving.get(rid):
+                    seq.progressed.clear()
+                    await seq.progressed.wait()
+        except TimeoutError:
+            return seq.finished or self._closed
+        return True
+
+    async def _move(self, seq: Sequence) -> int | None:
+        """Send the prompt and the tokens so far to another worker; its chunks continue the stream.
+
+        Returns the sequence number its first chunk will have, if it sent the request.
+        """
+        # A move abandoned before its request went out leaves the worker that really runs the sequence here.
+        old = seq.moved_from or seq.decision.worker_id
         limit = self.svc.migration_limit
-        if seq.attempt >= limit:
+        if seq.moves > limit:
             self._fail(
                 seq,
-                f"worker {old} stopped responding; the sequence already moved {seq.attempt} time(s) "
+                f"worker {old} stopped responding; the sequence already moved {seq.moves - 1} time(s) "
                 f"(migration limit {limit})",
             )
-            return
+            return None
         memo = PromptMemo(self.prepared.prompts[seq.prompt_index] + seq.token_ids)
         # A worker may be on its way (a restart, or this one back after a late heartbeat): wait for
         # one as long as for a busy one, then give up with a clear error.
@@ -283,14 +322,15 @@ class Generation:
                         seq,
                         f"worker {old} stopped responding and no other worker can take over: {exc.message}",
                     )
-                    return
+                    return None
                 await self.svc.pool.wait_refreshed(remaining)
         if seq.finished or self._closed or seq not in self._submitted:
-            return
+            return None
         # Load moves with the sequence (no await between the check above and these lines).
         self.svc.router.finished(seq.decision)
         self.svc.router.started(decision)
         seq.decision = decision
+        seq.moved_from = old
         target = seq.attempt + 1
         # The marker goes into the replies topic first: from where it lands, only chunks of the new
         # attempt count, for this stream and for any replay of it. Wait until it came back.
@@ -301,18 +341,27 @@ class Generation:
                     self.reply_topic, marker(seq.request_id, target, decision.worker_id)
                 )
             )
-            async with asyncio.timeout(self.svc.request_timeout_s):
+        except APIError as exc:
+            self._fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc!r}")
+            return None
+        try:
+            async with asyncio.timeout(MOVE_STALL_S):
                 while seq.attempt < target and not seq.finished:
                     await seq.switched.wait()
                     seq.switched.clear()
-        except (APIError, TimeoutError) as exc:
-            self._fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc!r}")
-            return
+                    if self._moving.get(seq.request_id) and seq.attempt < target:
+                        # Lost again before the marker came back: the broker may have lost it too. Start
+                        # over; no request went out, so the next move may claim the same attempt.
+                        return None
+        except TimeoutError:
+            self._stalled(seq, "its marker did not come back")
+            return None
         # Only now may the old worker be stopped: its abort would otherwise have ended the sequence. (It
         # may be alive after all, e.g. its heartbeats were late; it may even be the worker chosen now.)
         await self.svc.dispatcher.cancel(old, seq.request_id)
+        seq.moved_from = ""
         if seq.finished:
-            return  # the old worker's last chunk landed before the marker
+            return None  # the old worker's last chunk landed before the marker
         generated = list(seq.token_ids)
         if len(generated) >= self.prepared.max_tokens:
             # Every token arrived but not the final chunk: end it here, as the worker would have.
@@ -328,7 +377,7 @@ class Generation:
                     attempt=seq.attempt,
                 ),
             )
-            return
+            return None
         log.warning(
             "moving %s from worker %s to %s (attempt %d, %d token(s) so far)",
             seq.request_id,
@@ -346,6 +395,8 @@ class Generation:
             )
         except APIError as exc:
             self._fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc.message}")
+            return None
+        return request.seq_base
 
     async def _while_broker_away(self, send: Callable[[], Awaitable[None]]) -> None:
         """Send, and send again while the broker is unavailable, up to --request-timeout-s.

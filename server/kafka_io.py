@@ -242,7 +242,7 @@ class ReplyDemux:
             seq = stream.sequences.get(rid)
             if seq is not None and worker_id in (None, seq.worker_id) and not seq.finished:
                 if stream.on_lost is not None:
-                    stream.on_lost(seq)
+                    stream.on_lost(seq, worker_id is not None)
                 else:
                     stream.fail(rid, error)
                 lost.append((rid, stream.on_lost is not None))

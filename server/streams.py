@@ -40,8 +40,14 @@ class Sequence:
     attempt: int = 0
     token_ids: list[int] = field(default_factory=list)
     switched: asyncio.Event = field(default_factory=asyncio.Event)
+    progressed: asyncio.Event = field(default_factory=asyncio.Event)  # set on every chunk that counts
     # Set when a chunk of the current attempt went missing: nothing more of this attempt counts.
     broken: bool = False
+    # Moves because a worker was lost (what --migration-limit bounds; a broker that lost its log or a
+    # chunk is not the request's doing), and the worker to stop once the move in progress is in place.
+    moves: int = 0
+    moved_from: str = ""
+    stalls: int = 0  # moves that got no answer in time (server/generation.py, MOVE_STALL_S)
 
     @property
     def worker_id(self) -> str:
@@ -73,8 +79,9 @@ class ClientStream:
     sequences: dict[str, Sequence] = field(default_factory=dict)
     _items: deque[tuple[Sequence, Chunk]] = field(default_factory=deque)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
-    # Called when a sequence's worker died (set by the owning Generation: it migrates the sequence).
-    on_lost: Callable[[Sequence], None] | None = None
+    # Called when a sequence's worker died, or (False) the broker lost its log (set by the owning
+    # Generation: it migrates the sequence).
+    on_lost: Callable[[Sequence, bool], None] | None = None
     # Called when a chunk of a sequence never arrived (set by the owning Generation: it migrates the sequence).
     on_gap: Callable[[Sequence], None] | None = None
 
@@ -110,6 +117,7 @@ class ClientStream:
         seq.token_ids.extend(chunk.token_ids)
         if chunk.finish_reason is not None:
             seq.finished = True
+        seq.progressed.set()
         self._items.append((seq, chunk))
         self._ready.set()
 

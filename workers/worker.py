@@ -109,6 +109,7 @@ class Worker:
         self.pool: PoolConsumer | None = None  # batch work (workers/pool_consumer.py), unless --no-pool
         # One sender keeps every request's chunks in order and pushes back on the engine when Kafka lags.
         self._outbox: asyncio.Queue[Outgoing] = asyncio.Queue(maxsize=4096)
+        self._resends: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -512,14 +513,19 @@ class Worker:
         """
         self._broker_trouble = True
         self.metrics.kafka_send_errors.inc()
-        if out.tries + 1 < SEND_TRIES:
-            with contextlib.suppress(asyncio.QueueFull):
-                self._outbox.put_nowait(out._replace(tries=out.tries + 1))
-                log.warning("a reply record was not delivered (%r); sending it again", exc)
-                if self._producer is not None:
-                    self._producer.client.force_metadata_update()
-                return
+        if out.tries + 1 < SEND_TRIES and self._producer is not None:
+            log.warning("a reply record was not delivered (%r); sending it again", exc)
+            task = asyncio.create_task(self._resend(out._replace(tries=out.tries + 1)))
+            self._resends.add(task)
+            task.add_done_callback(self._resends.discard)
+            return
         log.warning("a reply record was not delivered (%r); giving up on it", exc)
+
+    async def _resend(self, out: Outgoing) -> None:
+        # With fresh metadata: Tansu refuses produces to a topic it re-created until the producer has it.
+        assert self._producer is not None
+        await self._producer.client.force_metadata_update()
+        await self._outbox.put(out)
 
     # ---- heartbeat, health, KV events ----------------------------------------------------------
 
