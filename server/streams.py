@@ -19,7 +19,7 @@ from schemas.kafka import Chunk, ErrorInfo
 from server.metrics import FrontendMetrics
 from server.router import Decision
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ferry.frontend")
 
 # Sequence number of a migration marker: below every real chunk's, so it never becomes output.
 MARKER_SEQ = -1

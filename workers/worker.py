@@ -188,6 +188,9 @@ class Worker:
                     await asyncio.wait_for(self._outbox.join(), timeout=5.0)
                 sender.cancel()
                 await asyncio.gather(sender, return_exceptions=True)
+            for t in self._resends:
+                t.cancel()  # nothing sends them any more
+            await asyncio.gather(*self._resends, return_exceptions=True)
             if self.pool is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self.pool.close(commit=False))

@@ -4,9 +4,10 @@ requests are open, deletes it after the retention, and resumed streams still fin
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import json
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
@@ -50,33 +51,56 @@ async def delivered(stream: ClientStream, n: int) -> list[int]:
     return out
 
 
-async def test_demux_rolls_reads_old_topics_while_used_then_deletes_them(kafka: str) -> None:
+Reply = Callable[[str, Chunk], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def demux_rig(
+    kafka: str, roll_records: int, retain_s: float
+) -> AsyncIterator[tuple[ReplyDemux, Reply, str]]:
+    """A started demux, a function that writes one reply chunk to a topic, and the demux's base topic."""
     base = f"test.replies.{uuid.uuid4().hex[:8]}"
-    demux = ReplyDemux(kafka, base, fetch_wait_ms=5, roll_records=3, retain_s=0.5)
+    demux = ReplyDemux(kafka, base, fetch_wait_ms=5, roll_records=roll_records, retain_s=retain_s)
     producer = AIOKafkaProducer(bootstrap_servers=kafka, linger_ms=0)
     await producer.start()
     await demux.start()
+
+    async def reply(topic: str, chunk: Chunk) -> None:
+        await producer.send_and_wait(topic, request_encoder.encode(chunk), partition=0)
+
     try:
+        yield demux, reply, base
+    finally:
+        await demux.stop()
+        await producer.stop()
+
+
+def rolled_from(demux: ReplyDemux, topic: str) -> Callable[[], Awaitable[bool]]:
+    """A check for `until`: new requests no longer reply to `topic` (read on the demux's task)."""
+
+    async def rolled() -> bool:
+        return demux.topic != topic
+
+    return rolled
+
+
+async def test_demux_rolls_reads_old_topics_while_used_then_deletes_them(kafka: str) -> None:
+    async with demux_rig(kafka, roll_records=3, retain_s=0.5) as (demux, reply, base):
         # `old` replies on the first topic and stays open across the rolls its traffic causes.
         old = stream_of("old")
         topic_old, _ = demux.register(old)
         assert topic_old == base
         for i in range(4):
-            await producer.send_and_wait(
-                topic_old, request_encoder.encode(Chunk("old.0", i, token_ids=[i])), partition=0
-            )
+            await reply(topic_old, Chunk("old.0", i, token_ids=[i]))
         assert await delivered(old, 4) == [0, 1, 2, 3]
 
-        async def rolled() -> bool:  # on the demux's task, after it read record 3
-            return demux.topic != base
-
-        await until(rolled, 20, 0.01)
+        await until(rolled_from(demux, base), 20, 0.01)  # after the demux read record 3
         new = stream_of("new")
         topic_new, offset = demux.register(new)
         assert topic_new == f"{base}.1" and offset == 0
         # Both are read: the old topic for `old`, the new one for `new`.
-        await producer.send_and_wait(topic_new, request_encoder.encode(Chunk("new.0", 0, token_ids=[7])), partition=0)
-        await producer.send_and_wait(topic_old, request_encoder.encode(Chunk("old.0", 4, token_ids=[4])), partition=0)
+        await reply(topic_new, Chunk("new.0", 0, token_ids=[7]))
+        await reply(topic_old, Chunk("old.0", 4, token_ids=[4]))
         assert await delivered(new, 1) == [7]
         assert await delivered(old, 1) == [4]
         assert demux.topics == [base, topic_new]
@@ -89,11 +113,8 @@ async def test_demux_rolls_reads_old_topics_while_used_then_deletes_them(kafka: 
         await until(deleted, 30, 0.1)
         assert demux.topics == [topic_new]
         # The current topic keeps delivering after the reassignment.
-        await producer.send_and_wait(topic_new, request_encoder.encode(Chunk("new.0", 1, token_ids=[8])), partition=0)
+        await reply(topic_new, Chunk("new.0", 1, token_ids=[8]))
         assert await delivered(new, 1) == [8]
-    finally:
-        await demux.stop()
-        await producer.stop()
 
 
 async def test_requests_across_rolls_complete_and_a_stream_resumes_from_its_topic(h: Harness) -> None:
@@ -142,59 +163,44 @@ async def test_requests_across_rolls_complete_and_a_stream_resumes_from_its_topi
 async def test_a_stream_that_ends_while_the_demux_reassigns_does_not_kill_it(kafka: str) -> None:
     # Chaos run: the last stream of a retired topic ended during the reassignment's seek and the
     # demux died ("dictionary changed size during iteration"), failing every open stream.
-    base = f"test.replies.{uuid.uuid4().hex[:8]}"
-    demux = ReplyDemux(kafka, base, fetch_wait_ms=5, roll_records=1, retain_s=60)
-    producer = AIOKafkaProducer(bootstrap_servers=kafka, linger_ms=0)
-    await producer.start()
-    await demux.start()
-    assert demux._consumer is not None
-    consumer = demux._consumer
-    seek = consumer.seek_to_beginning
-    ending: list[ClientStream] = []
+    async with demux_rig(kafka, roll_records=1, retain_s=60) as (demux, reply, base):
+        assert demux._consumer is not None
+        consumer = demux._consumer
+        seek = consumer.seek_to_beginning
+        ending: list[ClientStream] = []
 
-    async def rolled(before: str) -> bool:
-        return demux.topic != before
+        async def seek_while_a_stream_ends(*tps: object) -> None:
+            while ending:
+                demux.unregister(ending.pop())
+            await seek(*tps)  # type: ignore[arg-type]
 
-    async def seek_while_a_stream_ends(*tps: object) -> None:
-        while ending:
-            demux.unregister(ending.pop())
-        await seek(*tps)  # type: ignore[arg-type]
-
-    consumer.seek_to_beginning = seek_while_a_stream_ends  # type: ignore[method-assign]
-    try:
+        consumer.seek_to_beginning = seek_while_a_stream_ends  # type: ignore[method-assign]
         streams = [stream_of(f"s{i}") for i in range(3)]
         for i, s in enumerate(streams):
             topic, _ = demux.register(s)
-            await producer.send_and_wait(topic, request_encoder.encode(Chunk(f"s{i}.0", 0, token_ids=[i])), partition=0)
+            await reply(topic, Chunk(f"s{i}.0", 0, token_ids=[i]))
             assert await delivered(s, 1) == [i]
 
-            await until(functools.partial(rolled, topic), 20, 0.01)  # one record per topic
+            await until(rolled_from(demux, topic), 20, 0.01)  # one record per topic
         # s0 and s1 hold two old topics open. Rewind the first to 0 (what the demux does when the broker
         # lost its log), so the next reassignment awaits a seek on it; s1 ends during that await.
         demux._tails[base].position = 0
         ending.append(streams[1])
         last = stream_of("last")
         topic, _ = demux.register(last)
-        await producer.send_and_wait(topic, request_encoder.encode(Chunk("last.0", 0, token_ids=[9])), partition=0)
+        await reply(topic, Chunk("last.0", 0, token_ids=[9]))
         assert await delivered(last, 1) == [9]
-        await until(functools.partial(rolled, topic), 20, 0.01)
+        await until(rolled_from(demux, topic), 20, 0.01)
         assert not ending, "the injected end never ran"
         assert demux.failed is None
         # The demux lives on: `last` still gets its chunks from its (now old) topic.
-        await producer.send_and_wait(
-            topic, request_encoder.encode(Chunk("last.0", 1, token_ids=[10])), partition=0
-        )
+        await reply(topic, Chunk("last.0", 1, token_ids=[10]))
         assert await delivered(last, 1) == [10]
-    finally:
-        await demux.stop()
-        await producer.stop()
 
 
 async def test_a_roll_the_broker_refuses_is_tried_again_later(kafka: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Chaos run: the broker was restarting when the demux wanted a fresh topic, and the admin client's
     # KafkaConnectionError killed the reply consumer. Now it stays on its topic and rolls later.
-    base = f"test.replies.{uuid.uuid4().hex[:8]}"
-    demux = ReplyDemux(kafka, base, fetch_wait_ms=5, roll_records=1, retain_s=60)
     real = kafka_io.ensure_topics
     refused: list[str] = []
 
@@ -204,23 +210,14 @@ async def test_a_roll_the_broker_refuses_is_tried_again_later(kafka: str, monkey
             raise KafkaConnectionError("Unable to bootstrap (injected)")
         await real(bootstrap, topics)
 
-    producer = AIOKafkaProducer(bootstrap_servers=kafka, linger_ms=0)
-    await producer.start()
-    await demux.start()
-    monkeypatch.setattr(kafka_io, "ensure_topics", away_once)
-    try:
+    async with demux_rig(kafka, roll_records=1, retain_s=60) as (demux, reply, base):
+        monkeypatch.setattr(kafka_io, "ensure_topics", away_once)
         s = stream_of("s")
         topic, _ = demux.register(s)
         for i in range(2):
-            await producer.send_and_wait(topic, request_encoder.encode(Chunk("s.0", i, token_ids=[i])), partition=0)
+            await reply(topic, Chunk("s.0", i, token_ids=[i]))
             assert await delivered(s, 1) == [i]
 
-        async def rolled() -> bool:
-            return demux.topic != base
-
-        await until(rolled, 20, 0.01)
+        await until(rolled_from(demux, base), 20, 0.01)
         assert refused == [f"{base}.1"] and demux.topic == f"{base}.1"
         assert demux.failed is None
-    finally:
-        await demux.stop()
-        await producer.stop()
