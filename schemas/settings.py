@@ -140,6 +140,13 @@ class FrontendSettings(CommonSettings):
         default=3,
         metadata=_help("times a sequence may move to another worker after its worker died; 0 = never"),
     )
+    delivery_check_s: float = dataclasses.field(
+        default=10.0,
+        metadata=_help(
+            "a request with no answer this long is looked up in its worker's topic; if the broker lost it "
+            "(restarted empty), it is sent again"
+        ),
+    )
     resume_grace_s: float = dataclasses.field(
         default=30.0,
         metadata=_help(

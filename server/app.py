@@ -43,6 +43,7 @@ from server.admin import AckInbox, LoraAdmin
 from server.auth import APIKeyAuth, parse_keys
 from server.batch.routes import routes as batch_routes
 from server.batch.service import BatchService
+from server.delivery import RequestLog
 from server.errors import APIError, from_validation_error, model_not_found
 from server.generation import Generation, Services, new_id
 from server.kafka_io import Dispatcher, ReplyDemux
@@ -153,6 +154,9 @@ class Frontend:
             await producer.start()
             await demux.start()
             stack.push_async_callback(demux.stop)
+            requests = RequestLog(s.kafka)
+            stack.push_async_callback(requests.stop)
+            await requests.start()
             await pool.start()
             stack.push_async_callback(pool.stop)
             # Adapter loads are rare and slow anyway: no need to poll their answers every few ms.
@@ -171,6 +175,8 @@ class Frontend:
                 keepalive_s=s.sse_keepalive_s,
                 busy_wait_s=s.busy_wait_s,
                 migration_limit=s.migration_limit,
+                requests=requests,
+                delivery_check_s=s.delivery_check_s,
                 resume=ResumeStore(redis, keys, s.resume_ttl_s, s.resume_grace_s),
                 resume_grace_s=s.resume_grace_s,
             )

@@ -51,8 +51,9 @@ class Dispatcher:
         self._metrics = metrics
         self._broker_ok = True
 
-    async def submit(self, worker_id: str, request: GenerateRequest, cancel_on_timeout: bool = True) -> None:
-        """Hand one request to a worker; 503 if the broker does not acknowledge it in time.
+    async def submit(self, worker_id: str, request: GenerateRequest, cancel_on_timeout: bool = True) -> int:
+        """Hand one request to a worker; returns its offset in the worker's topic, 503 if the broker does not
+        acknowledge it in time.
 
         On a timeout the producer may still deliver the request later; unless told otherwise a cancel is
         queued behind it, so the worker does not run a request whose client already has its 503.
@@ -61,7 +62,7 @@ class Dispatcher:
         try:
             async with asyncio.timeout(self._timeout_s):
                 # Partition 0 is the only one a worker reads.
-                await send_and_wait(
+                sent = await send_and_wait(
                     self._producer,
                     request_topic(worker_id),
                     request_encoder.encode(request),
@@ -86,6 +87,7 @@ class Dispatcher:
             log.info("Kafka is taking requests again")
             self._broker_ok = True
         self._metrics.kafka_produce_seconds.observe(time.perf_counter() - t0)
+        return sent.offset
 
     async def note(self, topic: str, chunk: Chunk) -> None:
         """Write a chunk of the frontend's own into a replies topic (a migration marker, an ending).

@@ -57,6 +57,11 @@ class FrontendMetrics:
             "Sequences moved because a reply chunk never reached the replies topic",
             registry=r,
         )
+        self.requests_lost = Counter(
+            "ferry_requests_lost",
+            "Requests sent again because the broker no longer held them (restarted empty) when no answer came",
+            registry=r,
+        )
         self.router_decision_seconds = Histogram(
             "ferry_router_decision_seconds", "Time to choose a worker", buckets=_FAST_BUCKETS, registry=r
         )

@@ -47,7 +47,7 @@ class Sequence:
     # chunk is not the request's doing), and the worker to stop once the move in progress is in place.
     moves: int = 0
     moved_from: str = ""
-    stalls: int = 0  # moves that got no answer in time (server/generation.py, MOVE_STALL_S)
+    stalls: int = 0  # moves made again because the broker lost their marker or request (server/generation.py)
 
     @property
     def worker_id(self) -> str:

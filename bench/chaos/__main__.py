@@ -69,8 +69,14 @@ async def one(c: httpx.AsyncClient, i: int, rng: random.Random, deadline_s: floa
         return "failed", type(exc).__name__
 
 
-# What the frontend did about the chaos: sequences moved (a worker lost, a reply chunk lost), replies rolled.
-COUNTERS = ("ferry_worker_failures_total", "ferry_reply_gaps_total", "ferry_reply_topic_rolls_total")
+# What the frontend did about the chaos: sequences moved (a worker lost, a reply chunk or a request lost),
+# replies rolled.
+COUNTERS = (
+    "ferry_worker_failures_total",
+    "ferry_reply_gaps_total",
+    "ferry_requests_lost_total",
+    "ferry_reply_topic_rolls_total",
+)
 
 
 async def frontend_counters(c: httpx.AsyncClient) -> dict[str, float]:

@@ -1,0 +1,119 @@
+"""A request the broker acknowledged and then lost (an empty restart) before its worker read it is sent again.
+
+The loss is real: the worker's topic is deleted on the real broker while the worker's reader is paused,
+and the worker is alive and heartbeating throughout, so nothing but the delivery check can notice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+import workers.worker
+from kvstore.kafka_log import delete_topics, ensure_topics
+from schemas.kafka import Cancel, GenerateRequest, SamplingParams, request_decoder, request_encoder
+from schemas.names import request_topic
+from server.delivery import RequestLog
+from tests.harness import Harness
+
+pytestmark = pytest.mark.integration
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def request(rid: str, attempt: int = 0) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid, model=MODEL, prompt_token_ids=[1, 2, 3], max_tokens=4, reply_topic="nowhere",
+        sampling=SamplingParams(), attempt=attempt,
+    )
+
+
+async def read_one(kafka: str, topic: str) -> GenerateRequest:
+    """The first GenerateRequest in `topic` (waits for it)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=kafka, enable_auto_commit=False, fetch_max_wait_ms=100)
+    await consumer.start()
+    try:
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        async with asyncio.timeout(20):
+            while True:
+                for record in (await consumer.getmany(tp, timeout_ms=500)).get(tp, []):
+                    msg = request_decoder.decode(record.value)
+                    if isinstance(msg, GenerateRequest):
+                        return msg
+    finally:
+        await consumer.stop()
+
+
+async def test_request_log_tells_a_held_request_from_a_lost_one(kafka: str, prefix: str) -> None:
+    worker_id = f"probe-{prefix.rstrip(':')}"
+    topic = request_topic(worker_id)
+    await ensure_topics(kafka, {topic: 1})
+    producer = AIOKafkaProducer(bootstrap_servers=kafka)
+    log = RequestLog(kafka)
+    await producer.start()
+    await log.start()
+    try:
+
+        async def put(msg: Any, rid: str) -> int:
+            sent = await producer.send_and_wait(topic, request_encoder.encode(msg), key=rid.encode(), partition=0)
+            return sent.offset
+
+        first = await put(request("r1"), "r1")
+        cancel = await put(Cancel("r1"), "r1")
+        second = await put(request("r2", attempt=1), "r2")
+        assert await log.holds(worker_id, first, request("r1")) is True
+        assert await log.holds(worker_id, second, request("r2", attempt=1)) is True
+        # The same request id under the same key, but not this attempt's request.
+        assert await log.holds(worker_id, cancel, request("r1")) is False
+        assert await log.holds(worker_id, second, request("r2", attempt=2)) is False
+        assert await log.holds(worker_id, second + 5, request("r2", attempt=1)) is False
+        # The broker loses the log; a new record takes offset 0.
+        await delete_topics(kafka, [topic])
+        await ensure_topics(kafka, {topic: 1})
+        assert await log.holds(worker_id, second, request("r2", attempt=1)) is False
+        assert await put(request("other"), "other") == first == 0
+        assert await log.holds(worker_id, first, request("r1")) is False
+    finally:
+        await log.stop()
+        await producer.stop()
+
+
+async def test_a_request_the_broker_lost_is_sent_again(
+    h: Harness, kafka: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readers: list[AIOKafkaConsumer] = []
+
+    class Recorded(AIOKafkaConsumer):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            readers.append(self)
+
+    monkeypatch.setattr(workers.worker, "AIOKafkaConsumer", Recorded)
+    w = await h.add_worker()
+    inbox = readers[0]
+    fe, url = await h.add_frontend(delivery_check_s=1.0, request_timeout_s=60.0)
+    topic = request_topic(w.worker.settings.worker_id)
+    # The worker stops reading (it keeps heartbeating): the request waits in the broker, as under load.
+    inbox.pause(TopicPartition(topic, 0))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        call = asyncio.create_task(c.post("/v1/chat/completions", json=body))
+        sent = await read_one(kafka, topic)
+        # The broker loses it (as Tansu does when it restarts empty), then the worker reads again. A
+        # worker that saw the broker fail reads a log that lost what it had read from its start again.
+        await delete_topics(kafka, [topic])
+        await ensure_topics(kafka, {topic: 1})
+        w.worker._broker_trouble = True
+        inbox.resume(TopicPartition(topic, 0))
+        r = await call
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 6
+    assert r.headers["x-request-id"] == sent.request_id.rsplit(".", 1)[0]
+    assert fe.metrics.requests_lost._value.get() == 1
+    assert fe.metrics.worker_failures._value.get() == 0
