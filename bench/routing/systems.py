@@ -21,6 +21,9 @@ FERRY_POLICIES: list[tuple[str, list[str]]] = [
     ("ferry kv-index-only", ["--router-policy", "kv", "--kv-events", "--no-inflight-overlap"]),
     ("ferry kv-sequences", ["--router-policy", "kv", "--kv-events", "--decode-load", "sequences"]),
     ("ferry kv-approx", ["--router-policy", "kv", "--no-kv-events"]),
+    # Prefill work (queued and new) weighed 2x / 4x against decode load: TTFT is prefill wait.
+    ("ferry kv-w2", ["--router-policy", "kv", "--kv-events", "--overlap-weight", "2"]),
+    ("ferry kv-w4", ["--router-policy", "kv", "--kv-events", "--overlap-weight", "4"]),
     ("ferry round_robin", ["--router-policy", "round_robin"]),
     ("ferry random", ["--router-policy", "random"]),
     ("ferry least_loaded", ["--router-policy", "least_loaded"]),
