@@ -43,7 +43,8 @@ async def one(c: httpx.AsyncClient, i: int, rng: random.Random, deadline_s: floa
         async with asyncio.timeout(deadline_s):
             async with c.stream("POST", "/v1/chat/completions", json=body) as r:
                 if r.status_code in (429, 503):
-                    return "refused", ""
+                    await r.aread()
+                    return "refused", f"{r.status_code} {r.json().get('error', {}).get('code')}"
                 if r.status_code != 200:
                     return "failed", f"http {r.status_code}"
                 started = f"{r.headers.get('x-request-id')} on {r.headers.get('x-ferry-worker')}"
@@ -163,6 +164,7 @@ async def main(args: argparse.Namespace, log_file: TextIO | None) -> dict[str, o
             results = await asyncio.gather(*(bounded(i) for i in range(args.requests)))
             outcomes = Counter(outcome for outcome, _ in results)
             reasons = Counter(why for outcome, why in results if outcome == "failed")
+            refusals = Counter(why for outcome, why in results if outcome == "refused")
             hung = [why for outcome, why in results if outcome == "hung"]
             wall = time.monotonic() - t0
             counters = await frontend_counters(c)
@@ -175,7 +177,7 @@ async def main(args: argparse.Namespace, log_file: TextIO | None) -> dict[str, o
     accepted = args.requests - outcomes["refused"]
     result = {"requests": args.requests, "accepted": accepted, **{k: outcomes[k] for k in
               ("completed", "refused", "failed", "duplicated", "hung")}, "wall_s": round(wall, 1),
-              "failures": dict(reasons.most_common()), "hung_requests": hung, "frontend": counters, "events": events,
+              "failures": dict(reasons.most_common()), "refusals": dict(refusals.most_common()), "hung_requests": hung, "frontend": counters, "events": events,
               "args": vars(args)}  # fmt: skip
     print(json.dumps({k: v for k, v in result.items() if k not in ("events", "args", "frontend", "hung_requests")}))
     print("\n".join(f"hung: {h}" for h in hung))
