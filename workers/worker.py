@@ -87,8 +87,6 @@ class Worker:
         # In-flight attempts a Cancel named (dropped when they end). The task, not the request id: a
         # newer attempt of the same request (a migration back to this worker) must not inherit the cancel.
         self._cancelled: set[asyncio.Task[None]] = set()
-        # Set on the first failed commit or reply: from then on an idle inbox checks for a lost log.
-        self._broker_trouble = False
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
         self._draining = False
@@ -283,9 +281,10 @@ class Worker:
             batches = await consumer.getmany(timeout_ms=1000, max_records=256)
             await stretch.after_poll(bool(batches))
             if not batches:
-                # Only once the broker has failed us: a healthy log never needs the check.
-                if self._broker_trouble:
-                    await watch.check()
+                # An idle worker sees nothing fail while the broker is away (no commit, no reply), so the
+                # check cannot wait for an error: a position past the fetch's high watermark is the only sign
+                # that the broker came back without this log, and on a healthy log it never holds.
+                await watch.check()
                 continue
             for records in batches.values():
                 for record in records:
@@ -294,7 +293,6 @@ class Worker:
             try:
                 await commit_within(consumer)
             except (KafkaError, TimeoutError) as exc:
-                self._broker_trouble = True
                 log.warning("offset commit failed: %r", exc)
 
     async def _dispatch(self, raw: bytes | None) -> None:
@@ -514,7 +512,6 @@ class Worker:
         The copy may land after later chunks of the same request: the frontend sees the gap, moves the
         sequence, and drops the copy (server/streams.py). A final chunk that follows nothing is saved.
         """
-        self._broker_trouble = True
         self.metrics.kafka_send_errors.inc()
         if out.tries + 1 < SEND_TRIES and self._producer is not None:
             log.warning("a reply record was not delivered (%r); sending it again", exc)

@@ -142,6 +142,26 @@ async def test_broker_restart_recovers_without_restarting_ferry(services: Servic
     assert h.frontends == [fe]
 
 
+async def test_an_idle_worker_reads_its_inbox_again_after_an_empty_broker_restart(
+    services: Services, h: Harness
+) -> None:
+    """A worker that saw no failure of its own (no send, no commit during the outage) still finds that its
+    position lies past the new, empty log's end, and reads the requests sent there from its start."""
+    await h.add_worker(heartbeat_interval_s=1.0)
+    _fe, url = await h.add_frontend(kafka_timeout_s=2.0, heartbeat_interval_s=1.0, delivery_check_s=600.0)
+    async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S) as c:
+        await until(lambda: served(c), RECOVERY_DEADLINE_S, "serving before the outage")
+        for _ in range(10):  # the worker's inbox position moves well past where a new log starts
+            assert await served(c)
+        await services.broker.stop()
+        await services.restart_broker()
+        await until(lambda: served(c), RECOVERY_DEADLINE_S, "serving after the broker came back")
+        # Requests the frontend sent into the new log before the worker found its way there were not
+        # lost: each is answered (none waits for a timeout), in order.
+        for _ in range(3):
+            assert await served(c)
+
+
 async def test_stream_in_flight_survives_an_empty_broker_restart(services: Services, h: Harness) -> None:
     """The broker comes back without the request or the chunks in transit: the stream is sent again and
     continues as one stream (no gap, no repeat, the full length)."""
