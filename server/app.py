@@ -133,12 +133,13 @@ class Frontend:
         # so every open sequence is sent again, as if its worker had died.
         demux.on_reset = lambda: fail_worker(None)
 
-        def on_dead(worker_id: str) -> None:
+        def on_dead(worker_id: str, restarted: bool) -> None:
             # A worker that drained cleanly left after its last chunks were acknowledged; give the reply
             # consumer one heartbeat to deliver them before calling anything still open lost.
             asyncio.get_running_loop().call_later(s.heartbeat_interval_s, fail_worker, worker_id)
             router.forget_worker(worker_id)
-            self._spawn(index.clear_worker(worker_id))
+            if not restarted:  # a restarted worker swept its own entries and is publishing new ones
+                self._spawn(index.clear_worker(worker_id))
 
         async def exchange_load() -> None:
             router.remote = await board.exchange(s.frontend_id, router.local, 3 * s.heartbeat_interval_s)

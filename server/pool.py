@@ -22,7 +22,7 @@ class WorkerPool:
         registry: Registry,
         refresh_s: float,
         metrics: FrontendMetrics,
-        on_dead: Callable[[str], None],
+        on_dead: Callable[[str, bool], None],
         after_refresh: Callable[[], Awaitable[None]] | None = None,
         max_waiters: int = 256,
     ) -> None:
@@ -111,12 +111,21 @@ class WorkerPool:
         new = {w.worker_id: w for w in live}
         gone = (set(self.workers) - set(new)) | set(dead)
         added = set(new) - set(self.workers)
+        # A worker killed and started again under its id within the heartbeat TTL never leaves the
+        # registry, but the process that held its sequences is gone: a new start time says so.
+        restarted = {
+            wid for wid, w in new.items()
+            if wid in self.workers and wid not in gone and w.started_at != self.workers[wid].started_at
+        }  # fmt: skip
         self.workers = new
         for wid in added:
             log.info("worker %s joined (model %s, engine %s)", wid, new[wid].model, new[wid].engine)
         for wid in gone:
             log.warning("worker %s left the registry", wid)
-            self._on_dead(wid)
+            self._on_dead(wid, False)
+        for wid in restarted:
+            log.warning("worker %s restarted: what it was running is lost", wid)
+            self._on_dead(wid, True)
         self._metrics.live_workers.set(len(new))
         if added or gone:
             self._changed.set()

@@ -150,6 +150,43 @@ async def test_migration_limit_exhausted_ends_with_error_event(
         await stop_all(children)
 
 
+async def test_worker_restarted_under_its_id_before_its_entry_expired(
+    h: Harness, kafka: str, redis_url: str, prefix: str, model_path: Path
+) -> None:
+    # A supervisor restarts a killed worker at once, under the same id: its registry entry never expires
+    # (a 10 s heartbeat keeps it for 30 s), but what the old process was running is gone. The new start
+    # time tells the frontend, which moves the sequence; the only worker there is is the new process.
+    wid = f"again-{prefix.rstrip(':')}"
+    slow_heartbeat = ("--speedup", "1", "--heartbeat-interval-s", "10")
+    child = await worker_process(wid, kafka, redis_url, prefix, model_path, *slow_heartbeat)
+    try:
+        fe, url = await h.add_frontend()
+        opts = {"stream": True, "stream_options": {"include_usage": True}}
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            async with c.stream("POST", "/v1/chat/completions", json=body(**opts)) as r:
+                reference = [e async for e in sse_events(r)]
+            async with c.stream("POST", "/v1/chat/completions", json=body(**opts)) as r:
+                assert r.headers["x-ferry-worker"] == wid
+                events: list[tuple[str | None, str]] = []
+                async with asyncio.timeout(45):  # never a hang
+                    async for e in sse_events(r):
+                        events.append(e)
+                        if len(events) == 10:
+                            child.kill()
+                            await child.proc.wait()
+                            child = await worker_process(
+                                wid, kafka, redis_url, prefix, model_path, *slow_heartbeat
+                            )
+        assert not any('"error"' in d for _, d in events), events[-3:]
+        assert text_of(events) == text_of(reference)
+        ids = [int(i) for i, _ in events if i is not None]
+        assert ids == list(range(len(ids)))
+        assert json.loads(events[-2][1])["usage"] == json.loads(reference[-2][1])["usage"]
+        assert fe.metrics.worker_failures._value.get() == 1
+    finally:
+        await child.stop()
+
+
 async def test_no_worker_left_non_streaming_is_5xx(
     h: Harness, kafka: str, redis_url: str, prefix: str, model_path: Path
 ) -> None:
