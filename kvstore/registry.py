@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 import redis.asyncio as aioredis
 
@@ -9,7 +11,9 @@ from schemas.names import RedisKeys
 from schemas.status import WorkerStatus, status_decoder, status_encoder
 
 # One round trip for the whole view: read every registered worker's status and reap the ids whose
-# status key has expired, returning both so the caller can sweep a dead worker's KV index entries.
+# status key has expired, returning both so the caller can sweep a dead worker's KV index entries. The
+# marker key (no TTL) is set by the first read; finding it missing later means Redis lost its data (a
+# restart without persistence), so an empty registry then says nothing about the workers.
 _LIST_LIVE = """
 local ids = redis.call('SMEMBERS', KEYS[1])
 local live, dead = {}, {}
@@ -22,8 +26,21 @@ for _, id in ipairs(ids) do
     table.insert(dead, id)
   end
 end
-return {live, dead}
+local fresh = 0
+if redis.call('SET', KEYS[2], '1', 'NX') then fresh = 1 end
+return {live, dead, fresh}
 """
+
+
+@dataclass(frozen=True)
+class RegistryView:
+    """One read of the registry."""
+
+    live: list[WorkerStatus]
+    dead: list[str]
+    # The registry's marker was missing: Redis is new or lost its data, and workers may not have
+    # registered again yet.
+    fresh: bool
 
 
 class Registry:
@@ -48,9 +65,11 @@ class Registry:
             pipe.srem(self._keys.workers(), worker_id)
             await pipe.execute()
 
-    async def snapshot(self) -> tuple[list[WorkerStatus], list[str]]:
-        """Live workers, and the ids found dead (and reaped) by this call."""
-        live_raw, dead_raw = await self._list_live(keys=[self._keys.workers()], args=[self._keys.worker("")])
+    async def view(self) -> RegistryView:
+        """Live workers, the ids found dead (and reaped) by this call, and whether Redis is new."""
+        live_raw, dead_raw, fresh = await self._list_live(
+            keys=[self._keys.workers(), self._keys.registry_marker()], args=[self._keys.worker("")]
+        )
         live: list[WorkerStatus] = []
         for raw in live_raw:
             try:
@@ -58,4 +77,9 @@ class Registry:
             except msgspec.DecodeError:
                 # A status written by an incompatible version: treat that worker as absent, not fatal.
                 continue
-        return live, [d.decode() if isinstance(d, bytes) else d for d in dead_raw]
+        return RegistryView(live, [d.decode() if isinstance(d, bytes) else d for d in dead_raw], bool(fresh))
+
+    async def snapshot(self) -> tuple[list[WorkerStatus], list[str]]:
+        """Live workers, and the ids found dead (and reaped) by this call."""
+        v = await self.view()
+        return v.live, v.dead

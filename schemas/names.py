@@ -76,6 +76,10 @@ class RedisKeys:
         """Status of one worker; expires when its heartbeats stop."""
         return f"{self.prefix}worker:{worker_id}"
 
+    def registry_marker(self) -> str:
+        """Set (no TTL) by the first read of the registry: missing later means Redis lost its data."""
+        return f"{self.prefix}registry"
+
     def block(self, model: str, block_hash: int) -> str:
         """Set of workers holding one KV block of one model."""
         return f"{self.prefix}kv:{model}:{block_hash:016x}"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
+# A worker's status key lives this many heartbeat intervals: a worker is dead once it missed them all.
+HEARTBEAT_MISSES = 3
+
 
 class WorkerStatus(msgspec.Struct, omit_defaults=True):
     """One heartbeat: identity, capacity and load of a worker."""
@@ -23,6 +26,8 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     draining: bool = False
     lora_adapters: list[str] = []
     metrics_url: str = ""
+    # How often this worker heartbeats (0: not said, an older worker).
+    heartbeat_interval_s: float = 0.0
 
 
 status_encoder = msgspec.msgpack.Encoder()

@@ -145,8 +145,9 @@ class Frontend:
             router.remote = await board.exchange(s.frontend_id, router.local, 3 * s.heartbeat_interval_s)
 
         pool = WorkerPool(
-            registry, s.heartbeat_interval_s / 2, self.metrics, on_dead, exchange_load, s.max_queued_requests
-        )
+            registry, s.heartbeat_interval_s / 2, self.metrics, on_dead, exchange_load, s.max_queued_requests,
+            heartbeat_s=s.heartbeat_interval_s,
+        )  # fmt: skip
         producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(redis.aclose)

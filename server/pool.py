@@ -8,7 +8,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from kvstore.registry import Registry
-from schemas.status import WorkerStatus
+from schemas.status import HEARTBEAT_MISSES, WorkerStatus
 from server.metrics import FrontendMetrics
 
 log = logging.getLogger("ferry.frontend")
@@ -25,9 +25,12 @@ class WorkerPool:
         on_dead: Callable[[str, bool], None],
         after_refresh: Callable[[], Awaitable[None]] | None = None,
         max_waiters: int = 256,
+        heartbeat_s: float = 1.0,
     ) -> None:
         self._registry = registry
         self._refresh_s = refresh_s
+        self._heartbeat_s = heartbeat_s  # for workers that do not say their own interval
+        self._keep_until = 0.0
         self._metrics = metrics
         self._on_dead = on_dead
         self.workers: dict[str, WorkerStatus] = {}
@@ -106,10 +109,21 @@ class WorkerPool:
     async def refresh(self) -> None:
         """Read the registry now (and exchange router load with other frontends)."""
         t0 = time.perf_counter()
-        live, dead = await self._registry.snapshot()
+        view = await self._registry.view()
         self._metrics.redis_seconds.labels("registry").observe(time.perf_counter() - t0)
-        new = {w.worker_id: w for w in live}
-        gone = (set(self.workers) - set(new)) | set(dead)
+        new = {w.worker_id: w for w in view.live}
+        if view.fresh and self.workers:
+            # Kept for one registry TTL: time for every live worker's next heartbeat to register it again.
+            keep_s = HEARTBEAT_MISSES * max(w.heartbeat_interval_s or self._heartbeat_s for w in self.workers.values())
+            log.warning(
+                "Redis lost its data (restarted empty?): keeping the last known %d worker(s) for %.1fs "
+                "while their heartbeats register them again", len(self.workers), keep_s,
+            )  # fmt: skip
+            self._keep_until = time.monotonic() + keep_s
+        if time.monotonic() < self._keep_until:
+            # Not yet registered again is not dead: nothing they run is lost, nothing needs to move.
+            new = {wid: w for wid, w in self.workers.items() if wid not in view.dead} | new
+        gone = (set(self.workers) - set(new)) | set(view.dead)
         added = set(new) - set(self.workers)
         # A worker killed and started again under its id within the heartbeat TTL never leaves the
         # registry, but the process that held its sequences is gone: a new start time says so.

@@ -34,7 +34,7 @@ from schemas.kafka import (
 )
 from schemas.names import RedisKeys, pool_topic, request_topic
 from schemas.settings import WorkerSettings
-from schemas.status import WorkerStatus
+from schemas.status import HEARTBEAT_MISSES, WorkerStatus
 from workers.engine import Engine, EngineDead, EngineError, EngineOutput
 from workers.kv_publisher import KVPublisher
 from workers.lora import LoraControl, adapters_of
@@ -43,7 +43,6 @@ from workers.pool_consumer import PoolConsumer
 
 log = logging.getLogger("ferry.worker")
 
-HEARTBEAT_MISSES = 3
 # Produces of one reply record before it counts as lost (Tansu fails a produce once with UnknownError for
 # a topic that changed under the producer's metadata, e.g. after an empty restart).
 SEND_TRIES = 3
@@ -552,6 +551,7 @@ class Worker:
             draining=self._draining,
             lora_adapters=adapters_of(self.engine),
             metrics_url=self._metrics_url,
+            heartbeat_interval_s=s.heartbeat_interval_s,
         )
 
     async def _heartbeat_once(self) -> None:
