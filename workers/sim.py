@@ -25,7 +25,7 @@ import numpy as np
 import xxhash
 from tokenizers import Tokenizer
 
-from kvstore.hashing import chain_seed
+from kvstore.hashing import block_hashes, chain_seed
 from schemas.kafka import FinishReason, GenerateRequest, TokenLogprob
 from schemas.kv_events import AllBlocksCleared, BlockStored, KVEvent, KVEventBatch
 from workers.block_pool import BlockPool, SequenceBlocks
@@ -294,6 +294,39 @@ class SimEngine(EngineLifecycle):
             block_size=self.config.block_size,
             max_model_len=self.config.max_model_len,
         )
+
+    def first_token_eta(self, prompt_token_ids: list[int], lora_name: str | None = None) -> float:
+        """Seconds until a prompt submitted now would produce its first token if nothing else arrived.
+
+        The prefill work ahead of it (running prefills, then the waiting queue in order, each less what
+        the cache already holds) is scheduled step by step with this engine's token budget and timing.
+        Only a simulation can know this; benchmarks use it as a bound on routing (bench/routing/virtual.py).
+        """
+        bs, cfg = self.config.block_size, self.config
+
+        def uncached(tokens: list[int], seed: int) -> int:
+            full = (len(tokens) - 1) // bs  # the last token is always computed, as in admission
+            return len(tokens) - self._pool.longest_prefix(block_hashes(tokens[: full * bs], bs, seed)) * bs
+
+        decoding = [s for s in self._running.values() if s.num_computed >= s.prefill_end]
+        context = sum(s.num_computed for s in decoding)
+        queue = [s.prefill_end - s.num_computed for s in self._running.values() if s.num_computed < s.prefill_end]
+        queue += [uncached(s.tokens, s.kv.seed) for _p, _a, s in sorted(self._waiting) if s.state is _State.WAITING]
+        queue.append(uncached(list(prompt_token_ids), chain_seed(self.model, lora_name)))
+        seconds, n_decoding, i = 0.0, len(decoding), 0
+        while i < len(queue):
+            budget, prefill, prefilled = max(1, cfg.max_num_batched_tokens - n_decoding), 0, 0
+            while i < len(queue) and budget > 0:
+                take = min(queue[i], budget)
+                queue[i] -= take
+                budget -= take
+                prefill += take
+                if queue[i] == 0:
+                    i += 1
+                    prefilled += 1
+            seconds += step_seconds(prefill, context, n_decoding, self._kv_capacity, cfg.speedup)
+            n_decoding += prefilled  # they decode from the next step on
+        return seconds
 
     def _validate(self, request: GenerateRequest) -> None:
         if self._dead is not None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
 import redis.asyncio as aioredis
 
+from bench.routing.virtual import MemoryIndex
 from kvstore.hashing import block_hashes, chain_seed
 from kvstore.kv_index import KVIndex
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -56,3 +58,30 @@ async def test_full_64_bit_hashes_survive_lua(redis_url: str, prefix: str) -> No
     await idx.apply("a", "m", _batch(BlockStored(big)))
     assert await idx.overlaps("m", big) == {"a": 2}
     assert await idx.overlaps("m", [2**64 - 2]) == {}
+
+
+async def test_the_virtual_benchmarks_index_answers_like_this_one(redis_url: str, prefix: str) -> None:
+    """bench/routing/virtual.py routes from an in-memory copy of the index: the same events, the same answers."""
+    rng = random.Random(7)
+    redis_index = KVIndex(aioredis.from_url(redis_url), RedisKeys(prefix))
+    memory_index = MemoryIndex()
+    chains = [block_hashes([p * 1000 + t for t in range(64 * 12)], 64, SEED) for p in range(4)]
+    # Conversations that extend each other: chain 1 shares its first 5 blocks with chain 0.
+    chains[1] = chains[0][:5] + block_hashes(list(range(64 * 7)), 64, SEED, parent=chains[0][4])
+    for _ in range(60):
+        worker, chain = rng.choice("abc"), rng.choice(chains)
+        lo = rng.randrange(len(chain))
+        hi = rng.randrange(lo, len(chain)) + 1
+        kind = rng.random()
+        if kind < 0.6:
+            event: object = BlockStored(chain[lo:hi])
+        elif kind < 0.95:
+            event = BlockRemoved(chain[lo:hi])
+        else:
+            event = AllBlocksCleared()
+        model = rng.choice(["m", "m", "n"])
+        await redis_index.apply(worker, model, _batch(event))
+        memory_index.apply(worker, model, _batch(event))
+        for probe in chains:
+            for m in ("m", "n"):
+                assert await memory_index.overlaps(m, probe) == await redis_index.overlaps(m, probe)

@@ -16,6 +16,7 @@ from schemas.kafka import GenerateRequest, SamplingParams
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from workers.engine import EngineDead, EngineError, EngineOutput
 from workers.sim import SimConfig, SimEngine, _Seq, _Step
+from workers.sim_timing import step_seconds
 
 MODEL = "sim-test"
 EOS = 0
@@ -446,3 +447,18 @@ def test_config_rejects_a_model_len_the_pool_cannot_hold() -> None:
         SimConfig(block_size=16, num_blocks=4, max_model_len=100)
     with pytest.raises(ValueError, match="min_output_tokens"):
         SimConfig(min_output_tokens=10, max_output_tokens=5)
+
+
+async def test_first_token_eta_follows_the_queue_and_the_cache(make_engine: MakeEngine) -> None:
+    engine = await make_engine(speedup=1.0)
+    cap = engine.config.num_blocks * engine.config.block_size
+    p = prompt(40)
+    # Idle: one step that prefills the whole prompt.
+    assert engine.first_token_eta(p) == pytest.approx(step_seconds(40, 0, 0, cap))
+    # Queued behind another prompt (not yet scheduled): both are prefilled in the same step.
+    ahead = engine.generate(req("ahead", prompt(300, 1), 4))
+    assert engine.first_token_eta(p) == pytest.approx(step_seconds(340, 0, 0, cap))
+    await collect(ahead)
+    await collect(engine.generate(req("warm", p, 4)))
+    # Its first two 16-token blocks are cached now: only the rest of a longer prompt is prefilled.
+    assert engine.first_token_eta([*p, *prompt(8, 2)]) == pytest.approx(step_seconds(48 - 32, 0, 0, cap))
