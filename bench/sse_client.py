@@ -177,6 +177,19 @@ class _Protocol(asyncio.Protocol):
         if start:
             del pending[:start]
 
+    def snapshot(self) -> Response | None:
+        """What the response in flight has delivered so far (None if no request is in flight)."""
+        if self._waiter is None:
+            return None
+        return Response(
+            status=self._status,
+            started=self._started,
+            headers_at=self._headers_at,
+            finished=perf_counter(),
+            headers=dict(self._headers),
+            events=list(self._events),
+        )
+
     def _finish(self, now: float) -> None:
         response = Response(
             status=self._status,
@@ -203,6 +216,8 @@ class Connection:
         self.host = host
         self.port = port
         self._proto: _Protocol | None = None
+        # What a request that failed or was cancelled midway had received (its TTFT may be known).
+        self.partial: Response | None = None
 
     async def _ensure(self) -> _Protocol:
         proto = self._proto
@@ -223,10 +238,12 @@ class Connection:
             f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
             f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1") + body
+        self.partial = None
         try:
             return await asyncio.wait_for(proto.begin(request), timeout_s)
         except BaseException:
-            self.close()  # whatever was half-read is useless; start afresh next time
+            self.partial = proto.snapshot()
+            self.close()  # the connection is in an unknown state; start afresh next time
             raise
 
     def close(self) -> None:

@@ -147,6 +147,10 @@ async def replay(
         except asyncio.CancelledError:
             conn.close()
             res.error = "deadline"
+            # Cut off by the run's deadline: its first token may still have come (a TTFT to count).
+            if conn.partial is not None and conn.partial.status == 200:
+                res.ttft = stream_stats(conn.partial).ttft
+                res.worker = _worker(conn.partial)
             raise
         except Exception as exc:
             conn.close()

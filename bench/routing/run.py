@@ -172,6 +172,31 @@ def _dist_ms(values: Sequence[float]) -> dict[str, float | None]:
     return {f"p{q}": _ms(pct(values, q)) for q in (50, 90, 99)}
 
 
+def ttft_samples(results: Sequence[RequestResult]) -> list[float]:
+    """Time to first token of every request that completed or was still running at the run's deadline.
+
+    A request cut off by the deadline counts with its first token if it had one, and as +inf (later than
+    any measured value) if not: leaving it out would flatter whichever system is slowest.
+    """
+    out = [r.ttft for r in results if r.ok]
+    out += [math.inf if math.isnan(r.ttft) else r.ttft for r in results if not r.ok and r.error == "deadline"]
+    return out
+
+
+def ttft_dist_ms(values: Sequence[float]) -> dict[str, float | None]:
+    """p50/p90/p99 in ms where the samples may hold +inf (None: the percentile lies past the deadline)."""
+    arr = np.sort(np.asarray(values, dtype=float))
+    out: dict[str, float | None] = {}
+    for q in (50, 90, 99):
+        if not arr.size:
+            out[f"p{q}"] = None
+            continue
+        k = q / 100 * (arr.size - 1)
+        lo, hi = arr[math.floor(k)], arr[math.ceil(k)]
+        out[f"p{q}"] = None if math.isinf(hi) else round(float(lo + (hi - lo) * (k - math.floor(k))) * 1000.0, 2)
+    return out
+
+
 def summarize(system: str, item: PlanItem, rep: ReplayResult, cpu: dict[str, float]) -> dict[str, Any]:
     """The reported numbers of one run."""
     ok = [r for r in rep.results if r.ok]
@@ -207,7 +232,9 @@ def summarize(system: str, item: PlanItem, rep: ReplayResult, cpu: dict[str, flo
         "not_sent": rep.not_sent,
         "errors": dict(errors.most_common(5)),
         "wrong_length": short,
-        "ttft_ms": _dist_ms([r.ttft for r in ok]),
+        "ttft_ms": ttft_dist_ms(ttft_samples(rep.results)),
+        # Of the TTFT samples, requests the deadline cut off before their first token.
+        "ttft_censored": sum(1 for r in rep.results if not r.ok and r.error == "deadline" and math.isnan(r.ttft)),
         "itl_ms": _dist_ms(itls),
         "tpot_ms_p50": _ms(pct(tpot, 50)),
         "e2e_ms": _dist_ms([r.e2e for r in ok]),

@@ -1,13 +1,17 @@
-"""bench/routing/virtual.py: a clock that jumps, and the real router over real simulated engines on it."""
+"""bench/routing: the virtual-time model (a clock that jumps, the real router over real simulated engines
+on it) and the TTFT statistics both benchmarks report."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from bench.routing.run import PlanItem
+from bench.routing.client import RequestResult
+from bench.routing.run import PlanItem, ttft_dist_ms, ttft_samples
 from bench.routing.systems import EngineKnobs
 from bench.routing.virtual import ORACLE, VirtualTimeLoop, router_config, run_one
 from bench.workload import infinite_cache_hits, prefix_workload
@@ -71,3 +75,19 @@ def test_a_replay_through_the_real_router(model_path: Path) -> None:
     # Round-robin prefills every prefix on both workers; kv each prefix once: all the bound.
     assert runs["ferry round_robin"]["of_bound"] < 0.9
     assert runs["ferry kv"]["of_bound"] == 1.0
+
+
+def test_requests_cut_off_by_the_deadline_count_toward_ttft() -> None:
+    nan = math.nan
+    results = [RequestResult(i, 0.0, 0.0, ok=True, ttft=0.1 * (i + 1)) for i in range(8)]
+    results += [
+        RequestResult(8, 0.0, 0.0, ok=False, error="deadline", ttft=2.0),  # its first token came
+        RequestResult(9, 0.0, 0.0, ok=False, error="deadline", ttft=nan),  # none: later than anything
+        RequestResult(10, 0.0, 0.0, ok=False, status=503, ttft=nan),  # refused: no TTFT at all
+    ]
+    samples = ttft_samples(results)
+    assert len(samples) == 10 and samples[-1] == math.inf
+    dist = ttft_dist_ms(samples)
+    assert dist["p50"] == pytest.approx(550.0)  # as numpy's linear percentile of 0.1 .. 0.8, 2.0, inf
+    assert dist["p90"] is None and dist["p99"] is None  # past the deadline: not a number to compare
+    assert ttft_dist_ms([0.1, 0.2, 0.3])["p90"] == pytest.approx(float(np.percentile([100, 200, 300], 90)))
