@@ -219,6 +219,10 @@ def _convert(gguf: Path, work: Path, progress: bool) -> dict[str, str]:
     # Set before transformers imports huggingface_hub, which reads it once; local_files_only below covers
     # the case where something imported it earlier in this process.
     os.environ["HF_HUB_OFFLINE"] = "1"
+    if not progress:
+        # transformers' GGUF loader draws its own tqdm bar, which its progress switch below does not reach;
+        # tqdm reads TQDM_* defaults once, when it is first imported (by transformers, just below).
+        os.environ["TQDM_DISABLE"] = "1"
     try:
         import torch
         import transformers
