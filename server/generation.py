@@ -28,6 +28,11 @@ log = logging.getLogger("ferry.frontend")
 # MOVE_STALLS times: a broker that restarted empty (Tansu) can lose what a move sends.
 MOVE_STALL_S = 10.0
 MOVE_STALLS = 3
+# After the broker lost the replies log (Tansu restarted empty), how long a first attempt that stays silent
+# past `--delivery-check-s` is sent again although its request is still in the worker's topic: Tansu can
+# also lose replies a worker writes in the first seconds after its restart, and then nothing else would
+# ever answer the request. A needless second attempt in that window costs one prefill.
+REPLIES_IN_DOUBT_S = 60.0
 
 T = TypeVar("T")
 
@@ -313,13 +318,13 @@ class Generation:
             return
 
         async def watch() -> None:
-            if await self._answered(seq, request, offset) or seq.request_id in self._moving:
+            lost = await self._unanswered(seq, request, offset)
+            if lost is None or seq.request_id in self._moving:
                 return
             self.svc.metrics.requests_lost.inc()
             log.warning(
-                "%s: no answer from worker %s after %.0fs and the broker no longer holds its request "
-                "(restarted empty?); sending it again",
-                seq.request_id, seq.worker_id, self.svc.delivery_check_s,
+                "%s: no answer from worker %s after %.0fs and %s; sending it again",
+                seq.request_id, seq.worker_id, self.svc.delivery_check_s, lost,
             )
             self._worker_lost(seq, worker_died=False)
 
@@ -327,11 +332,12 @@ class Generation:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _answered(self, seq: Sequence, request: GenerateRequest, offset: int) -> bool:
+    async def _unanswered(self, seq: Sequence, request: GenerateRequest, offset: int) -> str | None:
         """Wait for the attempt sent at `offset` to produce a chunk (or to be ended or lost otherwise):
-        True. False if, after `delivery_check_s` without one, the broker no longer holds its request.
+        None. After `delivery_check_s` without one, why it must be sent again: the broker no longer holds
+        its request, or it lost its log lately, so the worker's replies may be gone too.
 
-        A request still in the log is waiting for its worker (a long prefill, a queue): wait on.
+        Otherwise a request still in the log is waiting for its worker (a long prefill, a queue): wait on.
         """
         requests = self.svc.requests
         rid = request.request_id
@@ -354,8 +360,10 @@ class Generation:
             if waiting() and requests is not None:
                 held = await requests.holds(seq.worker_id, offset, request)
                 if held is False and waiting():
-                    return False
-        return True
+                    return "the broker no longer holds its request (restarted empty?)"
+                if held and waiting() and time.monotonic() - self.svc.demux.reset_at < REPLIES_IN_DOUBT_S:
+                    return "the broker lost its log lately (its replies may be gone with it)"
+        return None
 
     async def _move(self, seq: Sequence) -> tuple[GenerateRequest, int] | None:
         """Send the prompt and the tokens so far to another worker; its chunks continue the stream.

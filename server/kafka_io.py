@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -174,6 +175,7 @@ class ReplyDemux:
         # Called when the broker lost this topic's log (restarted empty): chunks and requests in transit
         # went with it, so every open sequence must be sent again.
         self.on_reset: Callable[[], None] | None = None
+        self.reset_at = -math.inf  # monotonic time the broker was last seen to have lost this log
 
     @property
     def topic(self) -> str:
@@ -267,8 +269,10 @@ class ReplyDemux:
                     for tp in rewound:
                         if tp.topic in self._tails:
                             self._tails[tp.topic].position = 0
-                    if rewound and self.on_reset is not None:
-                        self.on_reset()
+                    if rewound:
+                        self.reset_at = time.monotonic()
+                        if self.on_reset is not None:
+                            self.on_reset()
                     if self._doomed:
                         await self._delete_retired()
                 for tp, records in batches.items():

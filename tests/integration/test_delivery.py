@@ -7,15 +7,24 @@ and the worker is alive and heartbeating throughout, so nothing but the delivery
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 import workers.worker
 from kvstore.kafka_log import delete_topics, ensure_topics
-from schemas.kafka import Cancel, GenerateRequest, SamplingParams, request_decoder, request_encoder
+from schemas.kafka import (
+    Cancel,
+    GenerateRequest,
+    SamplingParams,
+    reply_decoder,
+    request_decoder,
+    request_encoder,
+)
 from schemas.names import request_topic
 from server.delivery import RequestLog
 from tests.harness import Harness
@@ -116,3 +125,55 @@ async def test_a_request_the_broker_lost_is_sent_again(
     assert r.headers["x-request-id"] == sent.request_id.rsplit(".", 1)[0]
     assert fe.metrics.requests_lost._value.get() == 1
     assert fe.metrics.worker_failures._value.get() == 0
+
+
+async def test_replies_lost_after_the_broker_lost_its_log_are_asked_for_again(h: Harness, kafka: str) -> None:
+    """Right after an empty restart Tansu can also lose replies a worker wrote, with the request still in
+    the worker's topic. For a while after the frontend saw its replies log go, a silent first attempt is
+    sent again anyway."""
+    w = await h.add_worker()
+    fe, url = await h.add_frontend(delivery_check_s=1.0, request_timeout_s=60.0)
+    assert fe.svc is not None
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+        noticed = asyncio.Event()
+        on_reset = fe.svc.demux.on_reset
+
+        def reset_seen() -> None:
+            if on_reset is not None:
+                on_reset()
+            noticed.set()
+
+        fe.svc.demux.on_reset = reset_seen
+        # The broker loses the frontend's replies log (as Tansu does when it restarts empty).
+        topic = fe.svc.demux.topic
+        await delete_topics(kafka, [topic])
+        await ensure_topics(kafka, {topic: 1})
+        async with asyncio.timeout(20):
+            await noticed.wait()  # the reader notices on its next idle poll
+        assert fe.svc.demux.reset_at > -math.inf
+        # Every reply the worker writes for the first attempt of the next request vanishes, acknowledged.
+        producer = w.worker._producer
+        assert producer is not None
+        send = producer.send
+        swallowed: list[str] = []
+
+        async def lossy_send(topic: str, value: bytes, **kw: Any) -> asyncio.Future[Any]:
+            try:
+                chunk = reply_decoder.decode(value)
+            except msgspec.ValidationError:
+                return await send(topic, value, **kw)
+            if chunk.attempt == 0:
+                swallowed.append(chunk.request_id)
+                done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+                done.set_result(None)
+                return done
+            return await send(topic, value, **kw)
+
+        producer.send = lossy_send  # type: ignore[method-assign]
+        r = await c.post("/v1/chat/completions", json=body)
+    assert swallowed, "the worker never answered the first attempt"
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 6
+    assert fe.metrics.requests_lost._value.get() == 1
