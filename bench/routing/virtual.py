@@ -293,8 +293,11 @@ async def _serve(cluster: Cluster, item: WorkItem, start: float, res: RequestRes
     res.finished_at = loop.time() + cluster.hop_s - start
 
 
-async def replay_virtual(cluster: Cluster, items: list[WorkItem], closed_loop: int = 0) -> ReplayResult:
-    """Every item at its arrival time (or, with `closed_loop` = c, c at a time back to back)."""
+async def replay_virtual(
+    cluster: Cluster, items: list[WorkItem], closed_loop: int = 0, deadline_s: float = math.inf
+) -> ReplayResult:
+    """Every item at its arrival time (or, with `closed_loop` = c, c at a time back to back); what still
+    runs `deadline_s` after the start is abandoned (error "deadline"), as bench.routing's client does."""
     loop = asyncio.get_running_loop()
     for e in cluster.engines.values():
         await e.start()
@@ -313,13 +316,17 @@ async def replay_virtual(cluster: Cluster, items: list[WorkItem], closed_loop: i
 
             await asyncio.gather(*(lane() for _ in range(closed_loop)))
         else:
-            tasks = []
+            tasks: dict[asyncio.Task[None], RequestResult] = {}
             for it, res in zip(items, results, strict=True):
                 delay = start + it.at - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(_serve(cluster, it, start, res)))
-            await asyncio.gather(*tasks)
+                tasks[asyncio.create_task(_serve(cluster, it, start, res))] = res
+            _done, late = await asyncio.wait(tasks, timeout=max(0.0, start + deadline_s - loop.time()))
+            for t in late:
+                t.cancel()
+                tasks[t].error = "deadline"
+            await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         for e in cluster.engines.values():
             await e.stop()
@@ -329,14 +336,20 @@ async def replay_virtual(cluster: Cluster, items: list[WorkItem], closed_loop: i
 
 
 def run_one(name: str, item: PlanItem, knobs: EngineKnobs, model_path: str, hop_s: float, event_delay_s: float,
-            seed: int) -> dict[str, Any]:  # fmt: skip
-    """One policy on one workload, on a fresh cluster and a fresh virtual clock."""
+            seed: int, drain_s: float = math.inf) -> dict[str, Any]:  # fmt: skip
+    """One policy on one workload, on a fresh cluster and a fresh virtual clock; the run ends `drain_s` after
+    its last arrival, as in bench.routing."""
     cluster = build_cluster(name, knobs, model_path, hop_s, event_delay_s, seed)
     loop = VirtualTimeLoop()
     try:
         t0 = time.perf_counter()
         rep = loop.run_until_complete(
-            replay_virtual(cluster, item.workload.items, closed_loop=knobs.workers if item.probe else 0)
+            replay_virtual(
+                cluster,
+                item.workload.items,
+                closed_loop=knobs.workers if item.probe else 0,
+                deadline_s=item.workload.duration_s + drain_s,
+            )
         )
         wall = time.perf_counter() - t0
     finally:
@@ -375,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-requests", type=int, default=64)
     p.add_argument("--hop-ms", type=float, default=2.0, help="one Kafka hop (request out, first token back)")
     p.add_argument("--event-delay-ms", type=float, default=5.0, help="engine step -> KV index")
+    p.add_argument("--drain-seconds", type=float, default=30.0,
+                   help="how long a run may take after its last arrival (as bench.routing's)")  # fmt: skip
     p.add_argument("--seeds", type=int, default=1,
                    help="run each system with router seeds 0..N-1 and report the run with the median TTFT p90")  # fmt: skip
     p.add_argument("--model-path", default=default_model_path())
@@ -417,20 +432,23 @@ def main(argv: list[str] | None = None) -> int:
     for item in plan:
         for name in names:
             by_seed = sorted(
-                (run_one(name, item, knobs, args.model_path, args.hop_ms / 1e3, args.event_delay_ms / 1e3, seed)
+                (run_one(name, item, knobs, args.model_path, args.hop_ms / 1e3, args.event_delay_ms / 1e3, seed,
+                         args.drain_seconds)
                  for seed in range(args.seeds)),
-                key=lambda r: r["ttft_ms"]["p90"],
+                key=lambda r: math.inf if r["ttft_ms"]["p90"] is None else r["ttft_ms"]["p90"],
             )  # fmt: skip
             s = by_seed[(len(by_seed) - 1) // 2]
             s["ttft_p90_ms_by_seed"] = [r["ttft_ms"]["p90"] for r in by_seed]
             runs.append(s)
             t = s["ttft_ms"]
+            p90 = math.inf if t["p90"] is None else t["p90"]
             if name == REFERENCE_POLICY:
-                rr_p90[item.key] = t["p90"]
-            cut = rr_p90.get(item.key, math.nan) / t["p90"] if not item.probe else math.nan
+                rr_p90[item.key] = p90
+            cut = rr_p90.get(item.key, math.nan) / p90 if not item.probe else math.nan
+            p50, p99 = (math.inf if v is None else v for v in (t["p50"], t["p99"]))
             print(
-                f"{s['run']:<16} {name:<{width}} {s['ok']:>4}/{s['requests']:<4} {t['p50']:>9,.0f} {t['p90']:>8,.0f} "
-                f"{t['p99']:>8,.0f} {cut:>8.2f} {s['cached_fraction']:>7.1%} {s['of_bound'] or 0:>8.0%} "
+                f"{s['run']:<16} {name:<{width}} {s['ok']:>4}/{s['requests']:<4} {p50:>9,.0f} {p90:>8,.0f} "
+                f"{p99:>8,.0f} {cut:>8.2f} {s['cached_fraction']:>7.1%} {s['of_bound'] or 0:>8.0%} "
                 f"{s['busiest_worker_share'] or 0:>7.1%} {s['virtual_s']:>9.1f}",
                 flush=True,
             )
