@@ -43,6 +43,8 @@ from server.metrics import FrontendMetrics
 log = logging.getLogger("ferry.router")
 
 POLICIES = ("kv", "round_robin", "random", "least_loaded")
+# How long KV index lookups must go without an error before the index counts as back.
+INDEX_RECOVERY_S = 1.0
 
 
 class AllBusy(Exception):
@@ -102,6 +104,7 @@ class Router:
         metrics: FrontendMetrics,
         index: KVIndex | None = None,
         rng: random.Random | None = None,
+        index_recovery_s: float = INDEX_RECOVERY_S,
     ) -> None:
         self.config = config
         self.policy = config.policy
@@ -115,6 +118,8 @@ class Router:
         # Distinct full blocks of this frontend's active sequences per worker, with reference counts.
         self.active_blocks: dict[str, Counter[int]] = {}
         self.index_ok = True
+        self._index_failed_at = -math.inf
+        self._index_recovery_s = index_recovery_s
 
     # ---- choosing --------------------------------------------------------------------------------
 
@@ -183,13 +188,16 @@ class Router:
         except Exception as exc:
             # Never fail a request because the index is down: route by load alone meanwhile.
             self._metrics.redis_errors.inc()
+            self._index_failed_at = time.monotonic()
             if self.index_ok:
                 log.error("KV index unreachable (%r): routing by load only until it is back", exc)
                 self.index_ok = False
                 self._metrics.kv_index_up.set(0)
             return {}
         self._metrics.redis_seconds.labels("kv_lookup").observe(time.perf_counter() - t0)
-        if not self.index_ok:
+        # Back only after a quiet second: while Redis restarts, some pooled connections fail and others
+        # already work, and flipping with each would log the outage once per lookup.
+        if not self.index_ok and time.monotonic() - self._index_failed_at >= self._index_recovery_s:
             log.info("KV index reachable again: cache-aware routing resumed")
             self.index_ok = True
             self._metrics.kv_index_up.set(1)

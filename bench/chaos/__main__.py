@@ -67,7 +67,8 @@ async def one(c: httpx.AsyncClient, i: int, rng: random.Random, deadline_s: floa
     except TimeoutError:
         return "hung", f"{started or 'no response'}: {len(ids)} events, {max_tokens} tokens asked"
     except httpx.HTTPError as exc:
-        return "failed", type(exc).__name__
+        where = f"mid-stream ({started}, {len(ids)} events)" if started else "before the response"
+        return "failed", f"{type(exc).__name__} {where}"
 
 
 # What the frontend did about the chaos: sequences moved (a worker lost, a reply chunk or a request lost),
@@ -153,7 +154,9 @@ async def main(args: argparse.Namespace, log_file: TextIO | None) -> dict[str, o
         done = asyncio.Event()
         chaos_task = asyncio.create_task(chaos(stack, args, rng, done, events, extra))
         sem = asyncio.Semaphore(args.concurrency)
-        limits = httpx.Limits(max_connections=args.concurrency)
+        # Idle connections are dropped before uvicorn's 5 s keep-alive does, or a request written just as
+        # the server closes one fails with a ReadError that says nothing about Ferry.
+        limits = httpx.Limits(max_connections=args.concurrency, keepalive_expiry=2.0)
         async with httpx.AsyncClient(base_url=stack.url, timeout=args.deadline_s + 5, limits=limits) as c:
 
             async def bounded(i: int) -> tuple[str, str]:

@@ -194,7 +194,7 @@ async def test_busy_workers_are_skipped_and_all_busy_raises() -> None:
 
 async def test_index_outage_falls_back_to_load_and_recovers() -> None:
     idx = FakeIndex({"b": 9})
-    r = _router(index=idx)
+    r = Router(RouterConfig(), FrontendMetrics(), idx, random.Random(0), index_recovery_s=60.0)  # type: ignore[arg-type]
     idx.fail = True
     workers = [_w("a"), _w("b")]
     r.started(await r.choose("m", workers, PromptMemo(PROMPT)))  # no overlap known: any worker
@@ -206,7 +206,20 @@ async def test_index_outage_falls_back_to_load_and_recovers() -> None:
     idx.fail = False
     r.local.clear()
     r.active_blocks.clear()
+    # Lookups are used again at once; the index counts as back (log, metric) only after a quiet spell.
     assert (await r.choose("m", workers, PromptMemo(PROMPT))).worker_id == "b"
+    assert not r.index_ok
+
+
+async def test_index_counts_as_back_once_lookups_stop_failing() -> None:
+    idx = FakeIndex({"b": 9})
+    r = Router(RouterConfig(), FrontendMetrics(), idx, random.Random(0), index_recovery_s=0.0)  # type: ignore[arg-type]
+    workers = [_w("a"), _w("b")]
+    idx.fail = True
+    await r.choose("m", workers, PromptMemo(PROMPT))
+    assert not r.index_ok
+    idx.fail = False
+    await r.choose("m", workers, PromptMemo(PROMPT))
     assert r.index_ok
 
 
