@@ -87,6 +87,11 @@ def table(results: dict[str, Any]) -> str:
                     f"{_f(x['ferry_ttft_p90_ms'])} ms ({_f(x['ttft_p90_ratio_ferry_over_dynamo'], '{:.2f}')}x)"
                     f" -> {'ok' if x['cached_ok'] and x['ttft_ok'] else 'within noise' if x['ok_within_noise'] else 'NOT MET'}"
                 )
+            if "common_requests" in x:
+                s += (
+                    f" | over the {x['common_requests']} both finished: cached ferry "
+                    f"{_pct(x['ferry_cached_common'])}% / dynamo {_pct(x['dynamo_cached_common'])}%"
+                )
             if x.get("round_robin_ttft_p90_ferry_over_dynamo") is not None:
                 s += f" | round_robin p90 ferry/dynamo {x['round_robin_ttft_p90_ferry_over_dynamo']:.2f}x"
             lines.append(s)

@@ -260,6 +260,8 @@ def summarize(system: str, item: PlanItem, rep: ReplayResult, cpu: dict[str, flo
         "busiest_worker_share": _round(max(workers.values()) / len(ok)) if workers else None,
         "ok_per_worker": dict(sorted(workers.items())),
         "failed_per_worker": dict(sorted(failed_on.items())),
+        # Per completed request: [cached, prompt] tokens, so two systems compare over the same requests.
+        "tokens_by_request": {r.index: [r.cached_tokens, r.prompt_tokens] for r in ok},
     }
 
 
@@ -429,6 +431,12 @@ def evaluate(runs: list[dict[str, Any]]) -> dict[str, Any]:
         }
         if ours is not None:
             oc, tc = ours["cached_fraction"] or 0.0, theirs["cached_fraction"] or 0.0
+            both = _common_cached(ours, theirs)
+            if both is not None:
+                # A request one system did not finish reports no usage: compare over what both finished.
+                oc, tc = both
+                row |= {"common_requests": len(_common(ours, theirs)), "ferry_cached_common": round(oc, 4),
+                        "dynamo_cached_common": round(tc, 4)}  # fmt: skip
             ot, tt = ours["ttft_ms"]["p90"] or math.inf, theirs["ttft_ms"]["p90"] or math.inf
             row |= {
                 "ferry_cached_fraction": ours["cached_fraction"],
@@ -456,6 +464,24 @@ def evaluate(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "result": _peer_result(compared),
         }
     return out
+
+
+def _common(a: dict[str, Any], b: dict[str, Any]) -> set[Any]:
+    return set(a.get("tokens_by_request") or {}) & set(b.get("tokens_by_request") or {})
+
+
+def _common_cached(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float] | None:
+    """Cached fractions of two runs over the requests both completed (None without per-request data)."""
+    common = _common(a, b)
+    if not common:
+        return None
+
+    def fraction(run: dict[str, Any]) -> float:
+        rows = [run["tokens_by_request"][i] for i in common]
+        prompt = sum(p for _, p in rows)
+        return sum(c for c, _ in rows) / prompt if prompt else 0.0
+
+    return fraction(a), fraction(b)
 
 
 def _peer_result(compared: list[dict[str, Any]]) -> str:
