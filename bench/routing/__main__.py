@@ -13,15 +13,18 @@ from pathlib import Path
 from typing import Any
 
 from bench.routing import report
-from bench.routing.run import PlanSettings, build_plan, evaluate, machine_info, run_system
-from bench.routing.systems import EngineKnobs, SystemSpec, available_systems
-from bench.workload import DEFAULT_TRACE
+from bench.routing.run import (
+    add_workload_arguments,
+    build_plan,
+    evaluate,
+    knobs_from,
+    machine_info,
+    plan_settings_from,
+    run_system,
+)
+from bench.routing.systems import SystemSpec, available_systems
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x.strip())
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -31,30 +34,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__)
     p.add_argument("--systems", default="default",
                    help="comma-separated system names, 'default' or 'all'; 'list' prints them")  # fmt: skip
-    p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--speedup", type=float, default=0.1, help="simulated step time / this (both engines)")
-    p.add_argument("--block-size", type=int, default=64, help="KV block size = tokens per trace hash id")
-    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per worker (both engines)")
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    p.add_argument("--unloaded", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure the unloaded reference: the trace's requests, one per worker at a time, max_tokens 1")  # fmt: skip
-    p.add_argument("--trace-rates", type=_floats, default=(16.0, 28.0, 40.0),
-                   help="request rates of the trace replay")  # fmt: skip
-    p.add_argument("--trace-requests", type=int, default=240, help="most trace requests per run")
-    p.add_argument("--trace-seconds", type=float, default=24.0,
-                   help="a rate r so low that trace-requests would take longer replays r * this of them, evenly spaced")  # fmt: skip
-    p.add_argument(
-        "--trace-sample-every", type=int, default=32, help="keep 1 in N conversations of the trace"
-    )
-    p.add_argument("--prefix-fractions", type=_floats, default=(0.1, 0.3, 0.5, 0.7, 0.9))
-    p.add_argument("--prefix-rates", type=_floats, default=(16.0,), help="request rates of the prefix sweep")
-    p.add_argument("--prefix-requests", type=int, default=64)
-    p.add_argument("--prefix-input-tokens", type=int, default=2048)
-    p.add_argument("--prefix-output-tokens", type=int, default=32)
-    p.add_argument("--prefix-groups", type=int, default=16, help="distinct shared prefixes")
-    p.add_argument(
-        "--drain-seconds", type=float, default=30.0, help="how long a run may take after its last arrival"
-    )
+    add_workload_arguments(p, speedup=0.1, trace_rates=(16.0, 28.0, 40.0), prefix_rates=(16.0,))
     p.add_argument("--settle-seconds", type=float, default=1.0, help="pause before each run")
     p.add_argument("--model-path", default=default_model_path())
     p.add_argument("--model-name", default=DEFAULT_MODEL_NAME)
@@ -86,25 +66,8 @@ def select(text: str) -> list[SystemSpec]:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every system on every run of the plan; the results document."""
     systems = select(args.systems)
-    knobs = EngineKnobs(
-        workers=args.workers, block_size=args.block_size, num_blocks=args.num_blocks, speedup=args.speedup
-    )
-    settings = PlanSettings(
-        trace_path=args.trace,
-        trace_unloaded=args.unloaded,
-        trace_rates=tuple(sorted(args.trace_rates)),
-        trace_requests=args.trace_requests,
-        trace_seconds=args.trace_seconds,
-        trace_sample_every=args.trace_sample_every,
-        prefix_fractions=args.prefix_fractions,
-        prefix_rates=args.prefix_rates,
-        prefix_requests=args.prefix_requests,
-        prefix_input_tokens=args.prefix_input_tokens,
-        prefix_output_tokens=args.prefix_output_tokens,
-        prefix_groups=args.prefix_groups,
-        block_tokens=args.block_size,
-        max_model_len=knobs.max_model_len,
-    )
+    knobs = knobs_from(args)
+    settings = plan_settings_from(args, knobs)
     machine = machine_info(REPO)
     peer: dict[str, Any] | None = None
     if any(s.kind == "dynamo" for s in systems):

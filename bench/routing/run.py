@@ -3,6 +3,7 @@ results say about the targets of issue 3 (items 5 and 6)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 import os
@@ -20,6 +21,7 @@ import numpy as np
 from bench.routing.client import ReplayResult, RequestResult, closed_loop, replay
 from bench.routing.systems import CpuMeter, EngineKnobs, SystemSpec, start
 from bench.workload import (
+    DEFAULT_TRACE,
     CacheBound,
     TokenBank,
     WorkItem,
@@ -95,6 +97,64 @@ class PlanSettings:
     prefix_groups: int
     block_tokens: int
     max_model_len: int
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def add_workload_arguments(
+    p: argparse.ArgumentParser, *, speedup: float, trace_rates: tuple[float, ...], prefix_rates: tuple[float, ...]
+) -> None:
+    """The engine and workload flags bench.routing and bench.routing.virtual share (same flags, same plan)."""
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--speedup", type=float, default=speedup, help="simulated step time / this (both engines)")
+    p.add_argument("--block-size", type=int, default=64, help="KV block size = tokens per trace hash id")
+    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per worker (both engines)")
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument("--unloaded", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the unloaded reference: the trace's requests, one per worker at a time, max_tokens 1")  # fmt: skip
+    p.add_argument("--trace-rates", type=_floats, default=trace_rates, help="request rates of the trace replay")
+    p.add_argument("--trace-requests", type=int, default=240, help="most trace requests per run")
+    p.add_argument("--trace-seconds", type=float, default=24.0,
+                   help="a rate r so low that trace-requests would take longer replays r * this of them, evenly spaced")  # fmt: skip
+    p.add_argument("--trace-sample-every", type=int, default=32, help="keep 1 in N conversations of the trace")
+    p.add_argument("--prefix-fractions", type=_floats, default=(0.1, 0.3, 0.5, 0.7, 0.9))
+    p.add_argument("--prefix-rates", type=_floats, default=prefix_rates, help="request rates of the prefix sweep")
+    p.add_argument("--prefix-requests", type=int, default=64)
+    p.add_argument("--prefix-input-tokens", type=int, default=2048)
+    p.add_argument("--prefix-output-tokens", type=int, default=32)
+    p.add_argument("--prefix-groups", type=int, default=16, help="distinct shared prefixes")
+    p.add_argument(
+        "--drain-seconds", type=float, default=30.0, help="how long a run may take after its last arrival"
+    )
+
+
+def knobs_from(args: argparse.Namespace) -> EngineKnobs:
+    """The engine knobs `add_workload_arguments` parsed."""
+    return EngineKnobs(
+        workers=args.workers, block_size=args.block_size, num_blocks=args.num_blocks, speedup=args.speedup
+    )
+
+
+def plan_settings_from(args: argparse.Namespace, knobs: EngineKnobs) -> PlanSettings:
+    """The plan `add_workload_arguments` parsed."""
+    return PlanSettings(
+        trace_path=args.trace,
+        trace_unloaded=args.unloaded,
+        trace_rates=tuple(sorted(args.trace_rates)),
+        trace_requests=args.trace_requests,
+        trace_seconds=args.trace_seconds,
+        trace_sample_every=args.trace_sample_every,
+        prefix_fractions=args.prefix_fractions,
+        prefix_rates=args.prefix_rates,
+        prefix_requests=args.prefix_requests,
+        prefix_input_tokens=args.prefix_input_tokens,
+        prefix_output_tokens=args.prefix_output_tokens,
+        prefix_groups=args.prefix_groups,
+        block_tokens=args.block_size,
+        max_model_len=knobs.max_model_len,
+    )
 
 
 def build_plan(s: PlanSettings) -> list[PlanItem]:

@@ -29,9 +29,18 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bench.routing.client import ReplayResult, RequestResult
-from bench.routing.run import REFERENCE_POLICY, PlanItem, PlanSettings, build_plan, evaluate, summarize
+from bench.routing.run import (
+    REFERENCE_POLICY,
+    PlanItem,
+    add_workload_arguments,
+    build_plan,
+    evaluate,
+    knobs_from,
+    plan_settings_from,
+    summarize,
+)
 from bench.routing.systems import EngineKnobs
-from bench.workload import DEFAULT_TRACE, WorkItem
+from bench.workload import WorkItem
 from schemas.kafka import GenerateRequest, SamplingParams
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from schemas.status import WorkerStatus
@@ -366,30 +375,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run every policy on every workload of the plan in virtual time; print the table and the targets."""
     from schemas.settings import default_model_path
 
-    def floats(text: str) -> tuple[float, ...]:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-
     p = argparse.ArgumentParser(prog="python -m bench.routing.virtual", description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default="ferry round_robin,ferry kv",
                    help=f"comma-separated, of: {', '.join([*POLICIES, ORACLE])}; a Ferry policy may be "
                    "followed by RouterConfig overrides, e.g. 'ferry kv overlap_weight=2'")  # fmt: skip
-    p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--speedup", type=float, default=0.05)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--num-blocks", type=int, default=4096)
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    p.add_argument("--unloaded", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--trace-rates", type=floats, default=(8.0, 14.0, 20.0))
-    p.add_argument("--trace-requests", type=int, default=240)
-    p.add_argument("--trace-seconds", type=float, default=24.0)
-    p.add_argument("--trace-sample-every", type=int, default=32)
-    p.add_argument("--prefix-fractions", type=floats, default=(0.1, 0.3, 0.5, 0.7, 0.9))
-    p.add_argument("--prefix-rates", type=floats, default=())
-    p.add_argument("--prefix-requests", type=int, default=64)
+    add_workload_arguments(p, speedup=0.05, trace_rates=(8.0, 14.0, 20.0), prefix_rates=())
     p.add_argument("--hop-ms", type=float, default=2.0, help="one Kafka hop (request out, first token back)")
     p.add_argument("--event-delay-ms", type=float, default=5.0, help="engine step -> KV index")
-    p.add_argument("--drain-seconds", type=float, default=30.0,
-                   help="how long a run may take after its last arrival (as bench.routing's)")  # fmt: skip
     p.add_argument("--seeds", type=int, default=1,
                    help="run each system with router seeds 0..N-1 and report the run with the median TTFT p90")  # fmt: skip
     p.add_argument("--model-path", default=default_model_path())
@@ -403,27 +395,8 @@ def main(argv: list[str] | None = None) -> int:
                 router_config(n)
             except ValueError as exc:
                 raise SystemExit(str(exc)) from None
-    knobs = EngineKnobs(
-        workers=args.workers, block_size=args.block_size, num_blocks=args.num_blocks, speedup=args.speedup
-    )
-    plan = build_plan(
-        PlanSettings(
-            trace_path=args.trace,
-            trace_unloaded=args.unloaded,
-            trace_rates=tuple(sorted(args.trace_rates)),
-            trace_requests=args.trace_requests,
-            trace_seconds=args.trace_seconds,
-            trace_sample_every=args.trace_sample_every,
-            prefix_fractions=args.prefix_fractions,
-            prefix_rates=args.prefix_rates,
-            prefix_requests=args.prefix_requests,
-            prefix_input_tokens=2048,
-            prefix_output_tokens=32,
-            prefix_groups=16,
-            block_tokens=args.block_size,
-            max_model_len=knobs.max_model_len,
-        )
-    )
+    knobs = knobs_from(args)
+    plan = build_plan(plan_settings_from(args, knobs))
     width = max(22, *(len(n) for n in names))
     runs: list[dict[str, Any]] = []
     print(f"{'run':<16} {'system':<{width}} {'ok':>9} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'rr p90 /':>8} "
