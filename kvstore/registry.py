@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 import msgspec
@@ -12,8 +13,9 @@ from schemas.status import WorkerStatus, status_decoder, status_encoder
 
 # One round trip for the whole view: read every registered worker's status and reap the ids whose
 # status key has expired, returning both so the caller can sweep a dead worker's KV index entries. The
-# marker key (no TTL) is set by the first read; finding it missing later means Redis lost its data (a
-# restart without persistence), so an empty registry then says nothing about the workers.
+# marker key (no TTL) gets a random value from the first read that finds it missing, and keeps it: a reader
+# that sees another value than last time knows Redis lost its data since (a restart without persistence),
+# so an empty registry then says nothing about the workers. Every frontend tells by its own last read.
 _LIST_LIVE = """
 local ids = redis.call('SMEMBERS', KEYS[1])
 local live, dead = {}, {}
@@ -26,9 +28,8 @@ for _, id in ipairs(ids) do
     table.insert(dead, id)
   end
 end
-local fresh = 0
-if redis.call('SET', KEYS[2], '1', 'NX') then fresh = 1 end
-return {live, dead, fresh}
+redis.call('SET', KEYS[2], ARGV[2], 'NX')
+return {live, dead, redis.call('GET', KEYS[2])}
 """
 
 
@@ -38,9 +39,9 @@ class RegistryView:
 
     live: list[WorkerStatus]
     dead: list[str]
-    # The registry's marker was missing: Redis is new or lost its data, and workers may not have
-    # registered again yet.
-    fresh: bool
+    # The registry's marker: another value than a previous read's means Redis lost its data in between,
+    # and workers may not have registered again yet.
+    marker: str
 
 
 class Registry:
@@ -66,9 +67,10 @@ class Registry:
             await pipe.execute()
 
     async def view(self) -> RegistryView:
-        """Live workers, the ids found dead (and reaped) by this call, and whether Redis is new."""
-        live_raw, dead_raw, fresh = await self._list_live(
-            keys=[self._keys.workers(), self._keys.registry_marker()], args=[self._keys.worker("")]
+        """Live workers, the ids found dead (and reaped) by this call, and the registry's marker."""
+        live_raw, dead_raw, marker = await self._list_live(
+            keys=[self._keys.workers(), self._keys.registry_marker()],
+            args=[self._keys.worker(""), uuid.uuid4().hex],
         )
         live: list[WorkerStatus] = []
         for raw in live_raw:
@@ -77,7 +79,8 @@ class Registry:
             except msgspec.DecodeError:
                 # A status written by an incompatible version: treat that worker as absent, not fatal.
                 continue
-        return RegistryView(live, [d.decode() if isinstance(d, bytes) else d for d in dead_raw], bool(fresh))
+        dead = [d.decode() if isinstance(d, bytes) else d for d in dead_raw]
+        return RegistryView(live, dead, marker.decode() if isinstance(marker, bytes) else marker)
 
     async def snapshot(self) -> tuple[list[WorkerStatus], list[str]]:
         """Live workers, and the ids found dead (and reaped) by this call."""

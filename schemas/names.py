@@ -77,7 +77,7 @@ class RedisKeys:
         return f"{self.prefix}worker:{worker_id}"
 
     def registry_marker(self) -> str:
-        """Set (no TTL) by the first read of the registry: missing later means Redis lost its data."""
+        """A random value (no TTL) set by the first read of the registry: a new value means Redis lost its data."""
         return f"{self.prefix}registry"
 
     def block(self, model: str, block_hash: int) -> str:

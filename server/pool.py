@@ -31,6 +31,7 @@ class WorkerPool:
         self._refresh_s = refresh_s
         self._heartbeat_s = heartbeat_s  # for workers that do not say their own interval
         self._keep_until = 0.0
+        self._marker: str | None = None  # the registry marker of the last read
         self._metrics = metrics
         self._on_dead = on_dead
         self.workers: dict[str, WorkerStatus] = {}
@@ -112,7 +113,8 @@ class WorkerPool:
         view = await self._registry.view()
         self._metrics.redis_seconds.labels("registry").observe(time.perf_counter() - t0)
         new = {w.worker_id: w for w in view.live}
-        if view.fresh and self.workers:
+        lost_data, self._marker = self._marker is not None and view.marker != self._marker, view.marker
+        if lost_data and self.workers:
             # Kept for one registry TTL: time for every live worker's next heartbeat to register it again.
             keep_s = HEARTBEAT_MISSES * max(w.heartbeat_interval_s or self._heartbeat_s for w in self.workers.values())
             log.warning(
