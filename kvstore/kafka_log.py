@@ -71,6 +71,17 @@ async def send_and_wait(
     raise AssertionError("unreachable")
 
 
+async def refresh_metadata(producer: AIOKafkaProducer, timeout_s: float = 5.0) -> None:
+    """Fetch the producer's metadata anew (bounded); call when a reader found its log reset.
+
+    After an empty restart Tansu acknowledges records a producer writes with the metadata it had from
+    before, yet readers do not see them until that producer has refreshed: without this, a worker's
+    first replies after the restart could vanish (the frontend's delivery check is the safety net).
+    """
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(producer.client.force_metadata_update(), timeout_s)
+
+
 async def commit_within(
     consumer: AIOKafkaConsumer,
     offsets: dict[TopicPartition, int] | None = None,

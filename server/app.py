@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from kvstore.kafka_log import refresh_metadata
 from kvstore.kv_index import KVIndex
 from kvstore.load import LoadBoard
 from kvstore.registry import Registry
@@ -67,6 +68,22 @@ log = logging.getLogger("ferry.frontend")
 
 T = TypeVar("T")
 
+
+
+# A shutdown step slower than this is logged: a frontend that takes long to exit says what it waited on.
+SLOW_STOP_S = 2.0
+
+
+async def _timed(what: str, stop: Callable[[], Awaitable[Any]]) -> None:
+    """Run one shutdown step; one that is slow is named while it runs (it may never end) and when done."""
+    t0 = time.monotonic()
+    step = asyncio.ensure_future(stop())
+    done, _ = await asyncio.wait({step}, timeout=SLOW_STOP_S)
+    if not done:
+        log.warning("still stopping the %s after %.0fs", what, SLOW_STOP_S)
+    await step
+    if not done:
+        log.warning("stopped the %s after %.1fs", what, time.monotonic() - t0)
 
 class Frontend:
     """Everything one frontend process runs, started and stopped together."""
@@ -129,9 +146,14 @@ class Frontend:
                 if not moving and worker_id is not None:
                     self._spawn(self.svc.dispatcher.cancel(worker_id, rid))
 
-        # An empty broker came back (Tansu keeps its log in memory): requests and chunks in transit are gone,
-        # so every open sequence is sent again, as if its worker had died.
-        demux.on_reset = lambda: fail_worker(None)
+        def on_reset() -> None:
+            # An empty broker came back (Tansu keeps its log in memory): requests and chunks in transit are
+            # gone, so every open sequence is sent again, as if its worker had died. The producer's metadata
+            # is refreshed too, or what it writes next may stay unseen for a while (moves have a watchdog).
+            fail_worker(None)
+            self._spawn(refresh_metadata(producer))
+
+        demux.on_reset = on_reset
 
         def on_dead(worker_id: str, restarted: bool) -> None:
             # A worker that drained cleanly left after its last chunks were acknowledged; give the reply
@@ -150,21 +172,21 @@ class Frontend:
         )  # fmt: skip
         producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
         async with contextlib.AsyncExitStack() as stack:
-            stack.push_async_callback(redis.aclose)
+            stack.push_async_callback(_timed, "Redis client", redis.aclose)
             # Registered before start: a start that fails (broker down) must still close the client.
-            stack.push_async_callback(producer.stop)
+            stack.push_async_callback(_timed, "Kafka producer", producer.stop)
             await producer.start()
             await demux.start()
-            stack.push_async_callback(demux.stop)
+            stack.push_async_callback(_timed, "reply consumer", demux.stop)
             requests = RequestLog(s.kafka)
-            stack.push_async_callback(requests.stop)
+            stack.push_async_callback(_timed, "request log reader", requests.stop)
             await requests.start()
             await pool.start()
-            stack.push_async_callback(pool.stop)
+            stack.push_async_callback(_timed, "worker registry view", pool.stop)
             # Adapter loads are rare and slow anyway: no need to poll their answers every few ms.
             acks = AckInbox(s.kafka, admin_topic(s.frontend_id), max(s.kafka_fetch_wait_ms, 100))
             await acks.start()
-            stack.push_async_callback(acks.stop)
+            stack.push_async_callback(_timed, "admin ack reader", acks.stop)
             self.lora_admin = LoraAdmin(acks, producer, pool, s.served_model_name)
             self.svc = Services(
                 frontend_id=s.frontend_id,
@@ -182,7 +204,7 @@ class Frontend:
                 resume=ResumeStore(redis, keys, s.resume_ttl_s, s.resume_grace_s),
                 resume_grace_s=s.resume_grace_s,
             )
-            stack.push_async_callback(self._stop_detached)
+            stack.push_async_callback(_timed, "unattended streams", self._stop_detached)
             log.info(
                 "frontend %s serving %s on http://%s:%d (policy %s, %d worker(s) live)",
                 s.frontend_id, s.served_model_name, s.host, s.port, s.router_policy, len(pool.workers),

@@ -17,7 +17,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
 from kvstore.batch_store import BatchStore
-from kvstore.kafka_log import FetchWaitAdjuster, LogResetWatch, commit_within, ensure_topics
+from kvstore.kafka_log import FetchWaitAdjuster, LogResetWatch, commit_within, ensure_topics, refresh_metadata
 from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
 from schemas.kafka import (
@@ -283,7 +283,8 @@ class Worker:
                 # An idle worker sees nothing fail while the broker is away (no commit, no reply), so the
                 # check cannot wait for an error: a position past the fetch's high watermark is the only sign
                 # that the broker came back without this log, and on a healthy log it never holds.
-                await watch.check()
+                if await watch.check() and self._producer is not None:
+                    await refresh_metadata(self._producer)  # the replies it writes next must be seen
                 continue
             for records in batches.values():
                 for record in records:

@@ -70,7 +70,8 @@ async def overloaded(
                     await asyncio.sleep(0.1)  # the frontend's registry view refreshes on a timer
             yield front, url
         finally:
-            assert await front.stop() == 0
+            # Not out within 10 s: its last lines say which shutdown step it was waiting on.
+            assert await front.stop() == 0, "\n".join(front.tail)
     finally:
         await worker.stop()
 
