@@ -9,7 +9,7 @@ import logging
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NamedTuple
 
 import redis.asyncio as aioredis
@@ -107,6 +107,7 @@ class Worker:
         # One sender keeps every request's chunks in order and pushes back on the engine when Kafka lags.
         self._outbox: asyncio.Queue[Outgoing] = asyncio.Queue(maxsize=4096)
         self._resends: set[asyncio.Task[None]] = set()
+        self._closing: asyncio.Future[None] | None = None  # the clean-up, once run() ends
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -171,36 +172,44 @@ class Worker:
             await self._drain(consumer)
             return 0
         finally:
-            sender = tasks[1] if len(tasks) > 1 else None
-            for t in tasks:
-                if t is not sender:
-                    t.cancel()
-            for t in list(self._inflight.values()):
+            # Shielded: a caller that gives up on the drain (a cancelled task) must not leave the Kafka
+            # clients running; the clean-up then finishes in the background.
+            self._closing = asyncio.ensure_future(self._close(tasks, consumer, redis))
+            await asyncio.shield(self._closing)
+
+    async def _close(
+        self, tasks: list[asyncio.Task[None]], consumer: AIOKafkaConsumer, redis: aioredis.Redis
+    ) -> None:
+        """Stop the loops and in-flight requests, hand queued chunks to the producer, close every client."""
+        assert self._producer is not None
+        sender = tasks[1] if len(tasks) > 1 else None
+        for t in tasks:
+            if t is not sender:
                 t.cancel()
-            await asyncio.gather(*(t for t in tasks if t is not sender), return_exceptions=True)
-            await asyncio.gather(*self._inflight.values(), return_exceptions=True)
-            if sender is not None:
-                # Hand every queued chunk (final ones included) to the producer, whose stop() flushes them.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._outbox.join(), timeout=5.0)
-                sender.cancel()
-                await asyncio.gather(sender, return_exceptions=True)
-            for t in self._resends:
-                t.cancel()  # nothing sends them any more
-            await asyncio.gather(*self._resends, return_exceptions=True)
-            if self.pool is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(self.pool.close(commit=False))
-            with contextlib.suppress(Exception):
-                await asyncio.shield(consumer.stop())
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._producer.stop())
-            await self.lora.close()
-            with contextlib.suppress(Exception):
-                await self.engine.stop()
-            with contextlib.suppress(Exception):
-                await redis.aclose()
-            log.info("worker %s stopped", s.worker_id)
+        for t in list(self._inflight.values()):
+            t.cancel()
+        await asyncio.gather(*(t for t in tasks if t is not sender), return_exceptions=True)
+        await asyncio.gather(*self._inflight.values(), return_exceptions=True)
+        if sender is not None:
+            # Hand every queued chunk (final ones included) to the producer, whose stop() flushes them.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._outbox.join(), timeout=5.0)
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+        for t in self._resends:
+            t.cancel()  # nothing sends them any more
+        await asyncio.gather(*self._resends, return_exceptions=True)
+        # Nothing cancels this task (its caller holds it through a shield), so a CancelledError here comes from
+        # inside a client whose own retries were cut short by the broker's absence: go on to the next one.
+        closers: list[Callable[[], Awaitable[object]]] = [consumer.stop, self._producer.stop, self.lora.close,
+                                                          self.engine.stop, redis.aclose]  # fmt: skip
+        if self.pool is not None:
+            pool = self.pool
+            closers.insert(0, lambda: pool.close(commit=False))
+        for close in closers:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await close()
+        log.info("worker %s stopped", self.settings.worker_id)
 
     async def _guard(self, name: str, coro: Awaitable[None]) -> None:
         """Run a background loop; an unexpected exit is fatal for the worker, never silent."""

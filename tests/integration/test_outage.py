@@ -10,6 +10,7 @@ so every topic is created again on demand and every consumer starts over on it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -255,3 +256,21 @@ async def test_redis_outage_keeps_serving_and_heartbeats_resume(services: Servic
         for stream in (False, True):
             assert await served(c, stream=stream)
     assert not w.task.done()
+
+
+async def test_a_worker_given_up_on_during_an_outage_still_closes_its_kafka_clients(
+    services: Services, h: Harness
+) -> None:
+    """Draining with the broker down takes long; a supervisor (or a test) that stops waiting cancels the
+    worker. Its Kafka clients must close anyway, or they keep reconnecting to the broker forever."""
+    w = await h.add_worker(heartbeat_interval_s=1.0)
+    await services.broker.stop()
+    w.shutdown.set()
+    w.task.cancel()  # the supervisor stops waiting for the drain
+    with contextlib.suppress(asyncio.CancelledError):
+        await w.task
+    closing = w.worker._closing
+    assert closing is not None
+    await asyncio.wait_for(asyncio.shield(closing), 60)
+    producer = w.worker._producer
+    assert producer is not None and producer._closed
