@@ -83,6 +83,16 @@ def text_of(events: list[tuple[str | None, str]]) -> str:
     return "".join(out)
 
 
+def assert_one_stream(events: list[tuple[str | None, str]], reference: list[tuple[str | None, str]]) -> None:
+    """A moved stream reads as the uninterrupted reference: no error, the same text and usage, and event ids
+    0, 1, 2, ... without a gap or a repeat."""
+    assert not any('"error"' in d for _, d in events), events[-3:]
+    assert text_of(events) == text_of(reference)
+    ids = [int(i) for i, _ in events if i is not None]
+    assert ids == list(range(len(ids)))
+    assert json.loads(events[-2][1])["usage"] == json.loads(reference[-2][1])["usage"]
+
+
 async def test_killed_worker_stream_continues_as_one_stream(
     h: Harness, kafka: str, redis_url: str, prefix: str, model_path: Path
 ) -> None:
@@ -103,14 +113,8 @@ async def test_killed_worker_stream_continues_as_one_stream(
                             children[victim].kill()
             # The whole answer is the same too, when it is collected rather than streamed.
             whole = (await c.post("/v1/chat/completions", json=body())).json()
-        assert not any('"error"' in d for _, d in events), events[-3:]
-        assert text_of(events) == text_of(reference)
-        # One stream: event ids 0, 1, 2, ... without a gap or a repeat.
-        ids = [int(i) for i, _ in events if i is not None]
-        assert ids == list(range(len(ids)))
-        usage = json.loads(events[-2][1])["usage"]
-        assert usage == json.loads(reference[-2][1])["usage"]
-        assert usage["completion_tokens"] == 120
+        assert_one_stream(events, reference)
+        assert json.loads(events[-2][1])["usage"]["completion_tokens"] == 120
         finals = [json.loads(d)["choices"][0]["finish_reason"] for _, d in events[:-2]]
         assert finals[-1] == "length" and finals[:-1] == [None] * (len(finals) - 1)
         assert whole["choices"][0]["message"]["content"] == text_of(reference)
@@ -177,11 +181,7 @@ async def test_worker_restarted_under_its_id_before_its_entry_expired(
                             child = await worker_process(
                                 wid, kafka, redis_url, prefix, model_path, *slow_heartbeat
                             )
-        assert not any('"error"' in d for _, d in events), events[-3:]
-        assert text_of(events) == text_of(reference)
-        ids = [int(i) for i, _ in events if i is not None]
-        assert ids == list(range(len(ids)))
-        assert json.loads(events[-2][1])["usage"] == json.loads(reference[-2][1])["usage"]
+        assert_one_stream(events, reference)
         assert fe.metrics.worker_failures._value.get() == 1
     finally:
         await child.stop()
