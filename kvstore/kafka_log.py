@@ -71,6 +71,22 @@ async def send_and_wait(
     raise AssertionError("unreachable")
 
 
+async def stop_consumer(consumer: AIOKafkaConsumer) -> None:
+    """`consumer.stop()`, finishing the job where aiokafka's own stop is cut short.
+
+    aiokafka 0.14's fetcher cancels its pending fetch tasks on close and then awaits them unguarded, so with
+    the broker away (a fetch in its retry back-off) stop() raises CancelledError before it closes the
+    client, whose metadata task then retries the dead broker for the life of the process.
+    """
+    try:
+        await consumer.stop()
+    except asyncio.CancelledError:
+        me = asyncio.current_task()
+        if me is not None and me.cancelling():
+            raise  # our caller is being cancelled: not aiokafka's doing
+        await consumer._client.close()
+
+
 async def refresh_metadata(producer: AIOKafkaProducer, timeout_s: float = 5.0) -> None:
     """Fetch the producer's metadata anew (bounded); call when a reader found its log reset.
 

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvstore.kafka_log import FetchWaitAdjuster, LogResetWatch
+from kvstore.kafka_log import FetchWaitAdjuster, LogResetWatch, stop_consumer
 from schemas.admin import (
     LoadLoraAdapterRequest,
     LoraAdapter,
@@ -76,7 +76,7 @@ class AckInbox:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         if self._consumer is not None:
-            await self._consumer.stop()
+            await stop_consumer(self._consumer)
 
     def expect(self, op_id: str) -> asyncio.Queue[LoraAck]:
         """A mailbox for the acks of operation `op_id`; release it with `forget`."""

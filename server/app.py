@@ -75,13 +75,26 @@ SLOW_STOP_S = 2.0
 
 
 async def _timed(what: str, stop: Callable[[], Awaitable[Any]]) -> None:
-    """Run one shutdown step; one that is slow is named while it runs (it may never end) and when done."""
+    """Run one shutdown step; one that is slow is named while it runs (it may never end) and when done.
+
+    A step that fails is logged and the shutdown goes on: one client that cannot close cleanly (the broker
+    is down) must not keep the others open or fail the whole exit.
+    """
     t0 = time.monotonic()
     step = asyncio.ensure_future(stop())
     done, _ = await asyncio.wait({step}, timeout=SLOW_STOP_S)
     if not done:
         log.warning("still stopping the %s after %.0fs", what, SLOW_STOP_S)
-    await step
+    try:
+        await step
+    except asyncio.CancelledError:
+        me = asyncio.current_task()
+        if me is not None and me.cancelling():
+            raise  # the shutdown itself is being cut short
+        # aiokafka's stop() lets out the cancellation of its own retry loop when the broker is away.
+        log.warning("stopping the %s was cut short inside it (the broker is away?)", what)
+    except Exception as exc:
+        log.warning("stopping the %s failed: %r", what, exc)
     if not done:
         log.warning("stopped the %s after %.1fs", what, time.monotonic() - t0)
 

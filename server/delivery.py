@@ -17,6 +17,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError, OffsetOutOfRangeError
 
+from kvstore.kafka_log import stop_consumer
 from schemas.kafka import GenerateRequest, request_decoder
 from schemas.names import request_topic
 
@@ -49,7 +50,7 @@ class RequestLog:
     async def stop(self) -> None:
         """Disconnect."""
         if self._consumer is not None:
-            await self._consumer.stop()
+            await stop_consumer(self._consumer)
             self._consumer = None
 
     async def holds(self, worker_id: str, offset: int, request: GenerateRequest) -> bool | None:

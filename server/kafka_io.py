@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from kvstore.kafka_log import FetchWaitAdjuster, LogResetWatch, delete_topics, ensure_topics, send_and_wait
+from kvstore.kafka_log import (
+    FetchWaitAdjuster,
+    LogResetWatch,
+    delete_topics,
+    ensure_topics,
+    send_and_wait,
+    stop_consumer,
+)
 from schemas.kafka import Cancel, Chunk, ErrorInfo, GenerateRequest, reply_decoder, request_encoder
 from schemas.names import request_topic
 from server.errors import APIError
@@ -200,7 +207,7 @@ class ReplyDemux:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         if self._consumer is not None:
-            await self._consumer.stop()
+            await stop_consumer(self._consumer)
 
     def register(self, stream: ClientStream) -> tuple[str, int]:
         """Route chunks of every sequence of `stream` to it.

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from kvstore.kafka_log import FetchWaitAdjuster
+from kvstore.kafka_log import FetchWaitAdjuster, stop_consumer
 from schemas.kafka import Chunk, ErrorInfo, reply_decoder
 from schemas.names import RedisKeys
 from schemas.streams import StreamRecord, stream_record_decoder, stream_record_encoder
@@ -167,4 +167,4 @@ class Replay:
         """Stop reading."""
         if self._started:
             self._started = False
-            await asyncio.shield(self._consumer.stop())
+            await asyncio.shield(stop_consumer(self._consumer))

@@ -30,7 +30,7 @@ from aiokafka.errors import KafkaError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvstore.batch_store import BatchStore
-from kvstore.kafka_log import FetchWaitAdjuster, commit_within
+from kvstore.kafka_log import FetchWaitAdjuster, commit_within, stop_consumer
 from schemas.kafka import Chunk, GenerateRequest, PoolItem, pool_decoder
 from schemas.names import pool_group, pool_topic
 from schemas.settings import WorkerSettings
@@ -231,7 +231,7 @@ class PoolConsumer:
         if commit and not self.host.failed:
             await self._commit(force_flush=True)
         with contextlib.suppress(Exception):
-            await self._consumer.stop()
+            await stop_consumer(self._consumer)
         self._consumer = None
 
     # ---- taking items ----------------------------------------------------------------------------

@@ -17,7 +17,14 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
 from kvstore.batch_store import BatchStore
-from kvstore.kafka_log import FetchWaitAdjuster, LogResetWatch, commit_within, ensure_topics, refresh_metadata
+from kvstore.kafka_log import (
+    FetchWaitAdjuster,
+    LogResetWatch,
+    commit_within,
+    ensure_topics,
+    refresh_metadata,
+    stop_consumer,
+)
 from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
 from schemas.kafka import (
@@ -201,7 +208,7 @@ class Worker:
         await asyncio.gather(*self._resends, return_exceptions=True)
         # Nothing cancels this task (its caller holds it through a shield), so a CancelledError here comes from
         # inside a client whose own retries were cut short by the broker's absence: go on to the next one.
-        closers: list[Callable[[], Awaitable[object]]] = [consumer.stop, self._producer.stop, self.lora.close,
+        closers: list[Callable[[], Awaitable[object]]] = [lambda: stop_consumer(consumer), self._producer.stop, self.lora.close,
                                                           self.engine.stop, redis.aclose]  # fmt: skip
         if self.pool is not None:
             pool = self.pool

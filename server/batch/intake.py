@@ -18,7 +18,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from kvstore.batch_store import BatchStore
-from kvstore.kafka_log import FetchWaitAdjuster, commit_within, rewind_to_committed
+from kvstore.kafka_log import FetchWaitAdjuster, commit_within, rewind_to_committed, stop_consumer
 from schemas.batch import kafka_item_decoder
 from schemas.names import batch_submit_group, batch_submit_topic, pool_topic
 from schemas.status import WorkerStatus
@@ -82,7 +82,7 @@ class KafkaIntake:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._consumer is not None:
             with contextlib.suppress(Exception):
-                await self._consumer.stop()
+                await stop_consumer(self._consumer)
 
     async def _run(self) -> None:
         assert self._consumer is not None

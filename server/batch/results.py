@@ -21,7 +21,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from aiokafka.errors import KafkaError
 
 from kvstore.batch_store import BatchStore
-from kvstore.kafka_log import FetchWaitAdjuster, commit_within
+from kvstore.kafka_log import FetchWaitAdjuster, commit_within, stop_consumer
 from schemas.batch import ItemMeta
 from schemas.kafka import Chunk, reply_decoder
 from schemas.names import batch_results_group, batch_results_topic
@@ -104,7 +104,7 @@ class ResultCollector:
             with contextlib.suppress(Exception):
                 await self._commit()
             with contextlib.suppress(Exception):
-                await self._consumer.stop()
+                await stop_consumer(self._consumer)
 
     async def _run(self) -> None:
         assert self._consumer is not None

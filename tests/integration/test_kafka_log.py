@@ -9,7 +9,8 @@ import uuid
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from kvstore.kafka_log import FetchWaitAdjuster, ensure_topics
+from kvstore.kafka_log import FetchWaitAdjuster, ensure_topics, stop_consumer
+from server.services import start_broker
 
 pytestmark = pytest.mark.integration
 
@@ -59,3 +60,24 @@ async def test_a_prompt_reader_of_a_long_partition_gets_its_records(kafka: str) 
         assert not stretch.stretched
     finally:
         await consumer.stop()
+
+
+async def test_a_consumer_stopped_while_its_broker_is_away_lets_go_of_it() -> None:
+    """aiokafka's stop() raises CancelledError out of its fetcher's retry and leaves the client trying the
+    dead broker forever; stop_consumer ends the stop and closes the client."""
+    broker, kafka = await start_broker()
+    consumer = AIOKafkaConsumer(bootstrap_servers=kafka, enable_auto_commit=False, fetch_max_wait_ms=5)
+    try:
+        await ensure_topics(kafka, {"away": 1})
+        await consumer.start()
+        tp = TopicPartition("away", 0)
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        await consumer.getmany(timeout_ms=200)
+    finally:
+        await broker.stop()
+    for _ in range(3):  # fetches fail and back off while the broker is gone
+        await consumer.getmany(timeout_ms=300)
+    await stop_consumer(consumer)
+    sync = consumer._client._sync_task
+    assert sync is None or sync.done()
