@@ -13,6 +13,22 @@ import msgspec
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+class StructuredOutput(msgspec.Struct, omit_defaults=True, frozen=True):
+    """A constraint on the shape of the output (vLLM's structured outputs); exactly one field is set.
+
+    The frontend has validated it; an engine that cannot honour a kind answers a non-retriable error.
+    """
+
+    # A JSON Schema, as JSON text (schemas are arbitrary JSON: text keeps the wire type simple).
+    json_schema: str | None = None
+    # Any JSON object (`response_format: {"type": "json_object"}`).
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    # An EBNF grammar, in the dialects vLLM's structured-output backends accept.
+    grammar: str | None = None
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
     """How to sample: the OpenAI parameters a worker needs, already validated by the frontend."""
 
@@ -28,6 +44,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Added fields (defaults keep older messages decodable).
+    logit_bias: dict[int, float] = {}
+    min_p: float = 0.0
+    # No EOS, stop token or stop string ends the sequence before this many tokens.
+    min_tokens: int = 0
+    structured: StructuredOutput | None = None
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", omit_defaults=True, frozen=True):
