@@ -1,7 +1,7 @@
 """Tansu's CPU while ten idle consumers poll one topic at a 5 ms fetch wait, as the topic grows.
 
 Checks whether the embedded broker's cost per idle fetch grows with what a topic holds
-(docs/benchmarks.md, Batch). Run: `.venv/bin/python -m bench.tansu_idle`.
+(docs/benchmarks.md, "Embedded broker probes"). Run: `.venv/bin/python -m bench.tansu_idle`.
 """
 
 from __future__ import annotations
