@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from server.services import start_broker, start_redis
+from launch.services import start_broker, start_redis
 from tests.harness import Harness, harness
 
 

@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import uvicorn
 
+from launch.services import Child, free_port
 from schemas.settings import FrontendSettings, WorkerSettings
 from server.app import Frontend, create_app
 from server.frontend_main import ReadyServer
-from server.services import Child, free_port
 from workers.main import build_engine
 from workers.worker import Worker
 
@@ -122,7 +122,7 @@ async def frontend_process(
     port = free_port()
     child = await Child.spawn(
         "frontend",
-        [sys.executable, "-m", "server", "frontend", "--port", str(port), "--kafka", kafka, "--redis", redis,
+        [sys.executable, "-m", "launch", "frontend", "--port", str(port), "--kafka", kafka, "--redis", redis,
          "--redis-prefix", prefix, "--model-path", str(model_path), "--frontend-id", f"fe-{uuid.uuid4().hex[:6]}",
          "--heartbeat-interval-s", "0.2", "--log-level", "warning", *extra],
         echo=False,

@@ -25,7 +25,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.stack import FerryStack
-from server.services import Child, start_broker, start_redis
+from launch.services import Child, start_broker, start_redis
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -142,7 +142,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     """Fill the index, time the decisions; the results document."""
     import redis.asyncio as aioredis
 
-    from server.services import start_redis
+    from launch.services import start_redis
 
     child, url = await start_redis()
     client = aioredis.Redis.from_url(url)

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from server.services import Child, free_port
+from launch.services import Child, free_port
 from tests.harness import RunningWorker, harness, sse_events
 
 pytestmark = pytest.mark.integration

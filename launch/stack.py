@@ -9,8 +9,8 @@ import secrets
 import signal
 import sys
 
+from launch.services import Child, free_port, start_broker, start_redis
 from schemas.settings import FrontendSettings, StackSettings, load, to_argv
-from server.services import Child, free_port, start_broker, start_redis
 
 log = logging.getLogger("ferry.stack")
 
@@ -34,7 +34,7 @@ def _worker_argv(s: StackSettings, kafka: str, redis: str, index: int) -> list[s
 
 def _frontend_argv(s: StackSettings, kafka: str, redis: str, port: int) -> list[str]:
     return [
-        sys.executable, "-m", "server", "frontend",
+        sys.executable, "-m", "launch", "frontend",
         "--port", str(port),
         # A fresh replies topic per run: Tansu keeps every record and slows as a topic grows.
         "--frontend-id", f"frontend-{secrets.token_hex(3)}",

@@ -31,8 +31,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd == "up":
         import uvloop
 
+        from launch.stack import run_stack
         from schemas.settings import StackSettings, load
-        from server.stack import run_stack
 
         settings = load(StackSettings, rest, prog="ferry up")
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
