@@ -69,7 +69,7 @@ def _role(cmdline: list[str]) -> str | None:
         return "kafka"
     if "redis-server" in joined:
         return "redis"
-    if "-m workers" in joined:
+    if "launch worker" in joined:
         m = re.search(r"--worker-id (\S+)", joined)
         return m.group(1) if m else "worker"
     if "launch frontend" in joined:

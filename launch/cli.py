@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
@@ -38,12 +37,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return uvloop.run(run_stack(settings))
     if cmd == "frontend":
-        from server.frontend_main import main as frontend_main
+        from launch.frontend import main as frontend_main
 
         return frontend_main(rest)
     if cmd == "worker":
-        # The frontend package never imports the worker's; a worker is its own process.
-        os.execv(sys.executable, [sys.executable, "-m", "workers", *rest])
+        from launch.worker import main as worker_main
+
+        return worker_main(rest)
     if cmd == "batch":
         from server.batch.cli import main as batch_main
 

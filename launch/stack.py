@@ -26,7 +26,7 @@ _FRONTEND = (
 
 def _worker_argv(s: StackSettings, kafka: str, redis: str, index: int) -> list[str]:
     return [
-        sys.executable, "-m", "workers",
+        sys.executable, "-m", "launch", "worker",
         "--worker-id", f"worker-{index}", "--kafka", kafka, "--redis", redis,
         *to_argv(s, only=_SHARED + _WORKER),
     ]  # fmt: skip

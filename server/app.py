@@ -120,7 +120,7 @@ class Frontend:
         )
         self.started = int(time.time())
         self.inflight = 0
-        self.draining = False  # set on SIGTERM (server/frontend_main.py): finish open work, take no new
+        self.draining = False  # set on SIGTERM (launch/frontend.py): finish open work, take no new
         self.svc: Services | None = None
         self.lora_admin: LoraAdmin | None = None  # LoRA load/unload (server/admin.py), once running
         self.background: set[asyncio.Future[None]] = set()

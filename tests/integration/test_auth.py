@@ -203,7 +203,7 @@ async def test_ferry_up_passes_keys_to_the_frontend(model_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "server",
+            "launch",
             "up",
             "--workers",
             "1",

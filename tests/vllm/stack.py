@@ -69,7 +69,8 @@ class VllmStack:
             [
                 sys.executable,
                 "-m",
-                "workers",
+                "launch",
+                "worker",
                 "--engine",
                 "vllm",
                 "--worker-id",

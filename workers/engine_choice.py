@@ -1,21 +1,10 @@
-"""`ferry worker`: one worker process."""
+"""Which engine a worker runs: the one its settings name, configured from the model directory and settings."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import signal
-import sys
-from collections.abc import Sequence
-
-import uvloop
-
-from schemas.settings import WorkerSettings, load
+from schemas.settings import WorkerSettings
 from workers.engine import Engine
 from workers.model_dir import load_model_info
-from workers.worker import Worker
-
-log = logging.getLogger("ferry.worker")
 
 
 def build_engine(settings: WorkerSettings) -> Engine:
@@ -49,27 +38,3 @@ def build_engine(settings: WorkerSettings) -> Engine:
         max_model_len=max_len,
     )
     return SimEngine(settings.served_model_name, info.tokenizer, config, eos_token_id=info.eos_token_id)
-
-
-async def _amain(settings: WorkerSettings) -> int:
-    shutdown = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, shutdown.set)
-    worker = Worker(settings, build_engine(settings), settings.engine)
-    return await worker.run(shutdown)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse flags and FERRY_* variables, then run one worker until SIGTERM/SIGINT."""
-    settings = load(WorkerSettings, argv, prog="ferry worker")
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("aiokafka").setLevel(logging.WARNING)
-    return uvloop.run(_amain(settings))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
