@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return batch_main(rest)
     if cmd == "model" and rest[:1] == ["prepare"]:
-        from server.model_prepare import main as prepare_main
+        from launch.model_prepare import main as prepare_main
 
         return prepare_main(rest[1:])
     print(f"ferry: unknown command {' '.join(args[:2])!r}\n\n{USAGE}", file=sys.stderr)

@@ -284,7 +284,7 @@ async def amain(
     args: argparse.Namespace, levels: list[int]
 ) -> tuple[dict[tuple[str, int], Cell], dict[str, Any]]:
     """Start both systems, warm them up, measure interleaved rounds, stop both."""
-    from server.model_prepare import default_model_dir, prepare_model
+    from launch.model_prepare import default_model_dir, prepare_model
 
     model_dir = prepare_model(default_model_dir())
     # Ferry's worker reads the same variables (its engine sets the second by default as well).
