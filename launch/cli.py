@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return worker_main(rest)
     if cmd == "batch":
-        from server.batch.cli import main as batch_main
+        from launch.batch import main as batch_main
 
         return batch_main(rest)
     if cmd == "model" and rest[:1] == ["prepare"]:
