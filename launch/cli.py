@@ -30,8 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd == "up":
         import uvloop
 
+        from launch.flags import load
         from launch.stack import run_stack
-        from schemas.settings import StackSettings, load
+        from schemas.settings import StackSettings
 
         settings = load(StackSettings, rest, prog="ferry up")
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -9,8 +9,9 @@ import secrets
 import signal
 import sys
 
+from launch.flags import load, to_argv
 from launch.services import Child, free_port, start_broker, start_redis
-from schemas.settings import FrontendSettings, StackSettings, load, to_argv
+from schemas.settings import FrontendSettings, StackSettings
 
 log = logging.getLogger("ferry.stack")
 

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 import uvloop
 
-from schemas.settings import WorkerSettings, load
+from launch.flags import load
+from schemas.settings import WorkerSettings
 from workers.engine_choice import build_engine
 from workers.worker import Worker
 

@@ -1,21 +1,17 @@
-"""One settings object per process, filled from command-line flags and `FERRY_*` environment variables.
+"""The declaration of every setting: one settings object per process, grouped by concern.
 
 Each field of a settings class becomes a flag (`worker_id` -> `--worker-id`) whose default comes from
-the environment (`FERRY_WORKER_ID`) and then from the class. The launcher passes settings to child
-processes as flags, so the names here are a contract between processes.
+the environment (`FERRY_WORKER_ID`) and then from the class (launch/flags.py reads them). The launcher
+passes settings to child processes as flags, so the names here are a contract between processes.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import secrets
-import types
-import typing
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
 ENV_PREFIX = "FERRY_"
 
@@ -253,79 +249,6 @@ class WorkerSettings(CommonSettings):
     )
 
 
-S = TypeVar("S")
-
-
-def _scalar_type(tp: Any) -> tuple[Any, list[Any] | None]:
-    """The converter and choices for one annotated field type."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        choices = list(typing.get_args(tp))
-        return type(choices[0]), choices
-    if origin in (types.UnionType, typing.Union):
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _scalar_type(inner[0])
-    return tp, None
-
-
-def build_parser(cls: type[Any], parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """An argparse parser with one flag per settings field, defaults taken from FERRY_* variables."""
-    parser = parser or argparse.ArgumentParser()
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        env = ENV_PREFIX + f.name.upper()
-        conv, choices = _scalar_type(hints[f.name])
-        help_text = f"{f.metadata.get('help', '')} [env {env}]"
-        if conv is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            parser.add_argument(flag, dest=f.name, type=conv, choices=choices, default=None, help=help_text)
-    return parser
-
-
-def from_namespace(cls: type[S], ns: argparse.Namespace, environ: typing.Mapping[str, str] | None = None) -> S:
-    """Settings from parsed flags, then FERRY_* variables, then defaults."""
-    environ = os.environ if environ is None else environ
-    hints = typing.get_type_hints(cls)
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        flag_value = getattr(ns, f.name, None)
-        if flag_value is not None:
-            values[f.name] = flag_value
-            continue
-        raw = environ.get(ENV_PREFIX + f.name.upper())
-        if raw is None:
-            continue
-        conv, choices = _scalar_type(hints[f.name])
-        value = raw.strip().lower() in ("1", "true", "yes", "on") if conv is bool else conv(raw)
-        if choices is not None and value not in choices:
-            raise SystemExit(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: expected one of {choices}")
-        values[f.name] = value
-    return cls(**values)
-
-
-def load(cls: type[S], argv: Sequence[str] | None = None, prog: str | None = None) -> S:
-    """Parse `argv` into a settings object of type `cls`."""
-    parser = build_parser(cls, argparse.ArgumentParser(prog=prog, description=cls.__doc__))
-    return from_namespace(cls, parser.parse_args(argv))
-
-
-def to_argv(settings: Any, only: Sequence[str] | None = None) -> list[str]:
-    """Flags that reproduce `settings` (or the named fields of it) in a child process."""
-    out: list[str] = []
-    for f in dataclasses.fields(settings):
-        if only is not None and f.name not in only:
-            continue
-        value = getattr(settings, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + f.name.replace("_", "-"))
-        else:
-            out += [flag, str(value)]
-    return out
-
-
 @dataclasses.dataclass(kw_only=True)
 class StackSettings:
     """Settings of `ferry up`: the whole system on one machine."""
@@ -367,58 +290,3 @@ class StackSettings:
     ready_timeout_s: float = dataclasses.field(
         default=120.0, metadata=_help("give up if the stack is not ready within this many seconds")
     )
-
-
-def markdown_tables() -> str:
-    """The settings tables of docs/architecture.md, generated so the page cannot drift from the code."""
-    common = {f.name for f in dataclasses.fields(CommonSettings)}
-    sections: list[tuple[str, type[Any], set[str]]] = [
-        ("Shared by frontends and workers", CommonSettings, set()),
-        ("Frontend only (`ferry frontend`)", FrontendSettings, common),
-        ("Worker only (`ferry worker`)", WorkerSettings, common),
-        ("`ferry up`", StackSettings, set()),
-    ]
-    out: list[str] = []
-    for title, cls, skip in sections:
-        out += [f"### {title}", "", "| flag | variable | default | meaning |", "| --- | --- | --- | --- |"]
-        for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
-            if f.name == "model_path":
-                default = "`$FERRY_HOME/models/SmolLM2-135M-Instruct`"
-            elif f.default is dataclasses.MISSING:
-                default = "(generated)"
-            else:
-                default = f"`{f.default}`"
-            flag = f"`--{f.name.replace('_', '-')}`"
-            out.append(f"| {flag} | `{ENV_PREFIX}{f.name.upper()}` | {default} | {f.metadata.get('help', '')} |")
-        out.append("")
-    return "\n".join(out)
-
-
-def rewrite_tables(doc: str) -> str:
-    """`doc` with its settings tables (first section title through the last table row) regenerated."""
-    tables = markdown_tables().rstrip("\n")
-    first, last = tables.splitlines()[0], "### `ferry up`"
-    start = doc.index(first)
-    end = doc.index(last, start)
-    lines = doc[end:].splitlines(keepends=True)
-    i = 1
-    while i < len(lines) and (not lines[i].strip() or lines[i].startswith("|")):
-        if not lines[i].strip() and i > 2 and lines[i - 1].startswith("|"):
-            break
-        i += 1
-    return doc[:start] + tables + "\n" + "".join(lines[i:])
-
-
-if __name__ == "__main__":
-    import sys
-
-    if sys.argv[1:2] == ["--write"]:
-        path = sys.argv[2]
-        with open(path) as f:
-            text = rewrite_tables(f.read())
-        with open(path, "w") as f:
-            f.write(text)
-    else:
-        print(markdown_tables())

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from schemas.settings import FrontendSettings, WorkerSettings, load
+from launch.flags import load
+from schemas.settings import FrontendSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())

@@ -1,0 +1,93 @@
+"""Settings objects from command-line flags and `FERRY_*` environment variables, and back to flags.
+
+Each field of a settings class (schemas/settings.py) becomes a flag (`worker_id` -> `--worker-id`) whose
+default comes from the environment (`FERRY_WORKER_ID`) and then from the class.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any, Literal, TypeVar
+
+from schemas.settings import ENV_PREFIX
+
+S = TypeVar("S")
+
+
+def _scalar_type(tp: Any) -> tuple[Any, list[Any] | None]:
+    """The converter and choices for one annotated field type."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = list(typing.get_args(tp))
+        return type(choices[0]), choices
+    if origin in (types.UnionType, typing.Union):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _scalar_type(inner[0])
+    return tp, None
+
+
+def build_parser(cls: type[Any], parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one flag per settings field, defaults taken from FERRY_* variables."""
+    parser = parser or argparse.ArgumentParser()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        env = ENV_PREFIX + f.name.upper()
+        conv, choices = _scalar_type(hints[f.name])
+        help_text = f"{f.metadata.get('help', '')} [env {env}]"
+        if conv is bool:
+            parser.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        else:
+            parser.add_argument(flag, dest=f.name, type=conv, choices=choices, default=None, help=help_text)
+    return parser
+
+
+def from_namespace(
+    cls: type[S], ns: argparse.Namespace, environ: typing.Mapping[str, str] | None = None
+) -> S:
+    """Settings from parsed flags, then FERRY_* variables, then defaults."""
+    environ = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        flag_value = getattr(ns, f.name, None)
+        if flag_value is not None:
+            values[f.name] = flag_value
+            continue
+        raw = environ.get(ENV_PREFIX + f.name.upper())
+        if raw is None:
+            continue
+        conv, choices = _scalar_type(hints[f.name])
+        value = raw.strip().lower() in ("1", "true", "yes", "on") if conv is bool else conv(raw)
+        if choices is not None and value not in choices:
+            raise SystemExit(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: expected one of {choices}")
+        values[f.name] = value
+    return cls(**values)
+
+
+def load(cls: type[S], argv: Sequence[str] | None = None, prog: str | None = None) -> S:
+    """Parse `argv` into a settings object of type `cls`."""
+    parser = build_parser(cls, argparse.ArgumentParser(prog=prog, description=cls.__doc__))
+    return from_namespace(cls, parser.parse_args(argv))
+
+
+def to_argv(settings: Any, only: Sequence[str] | None = None) -> list[str]:
+    """Flags that reproduce `settings` (or the named fields of it) in a child process."""
+    out: list[str] = []
+    for f in dataclasses.fields(settings):
+        if only is not None and f.name not in only:
+            continue
+        value = getattr(settings, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        else:
+            out += [flag, str(value)]
+    return out
