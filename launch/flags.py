@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
 import types
 import typing
@@ -17,6 +18,34 @@ from typing import Any, Literal, TypeVar
 from schemas.settings import ENV_PREFIX
 
 S = TypeVar("S")
+
+
+def sections(cls: type[Any]) -> list[tuple[type[Any], list[dataclasses.Field[Any]]]]:
+    """`cls`'s fields by the settings group that declares them: its own first, then each group's, a group
+    before the groups that extend it (EngineSettings before SimSettings)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    order: list[type[Any]] = []
+
+    def visit(klass: type[Any]) -> None:
+        for base in klass.__bases__:
+            if dataclasses.is_dataclass(base) and base not in order:
+                visit(base)
+                order.append(base)
+
+    visit(cls)
+    out: list[tuple[type[Any], list[dataclasses.Field[Any]]]] = []
+    for klass in [cls, *order]:
+        own = [fields[n] for n in inspect.get_annotations(klass) if n in fields]
+        if own:
+            out.append((klass, own))
+    return out
+
+
+def default_text(f: dataclasses.Field[Any]) -> str:
+    """A field's default as --help and the docs show it."""
+    if "default" in f.metadata:
+        return str(f.metadata["default"])
+    return '""' if f.default == "" else str(f.default)
 
 
 def _scalar_type(tp: Any) -> tuple[Any, list[Any] | None]:

@@ -8,30 +8,26 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from launch.flags import default_text, sections
 from schemas.settings import ENV_PREFIX, CommonSettings, FrontendSettings, StackSettings, WorkerSettings
 
 
 def markdown_tables() -> str:
     """The settings tables of docs/architecture.md, generated so the page cannot drift from the code."""
     common = {f.name for f in dataclasses.fields(CommonSettings)}
-    sections: list[tuple[str, type[Any], set[str]]] = [
+    tables: list[tuple[str, type[Any], set[str]]] = [
         ("Shared by frontends and workers", CommonSettings, set()),
         ("Frontend only (`ferry frontend`)", FrontendSettings, common),
         ("Worker only (`ferry worker`)", WorkerSettings, common),
         ("`ferry up`", StackSettings, set()),
     ]
     out: list[str] = []
-    for title, cls, skip in sections:
+    for title, cls, skip in tables:
         out += [f"### {title}", "", "| flag | variable | default | meaning |", "| --- | --- | --- | --- |"]
-        for f in dataclasses.fields(cls):
+        for f in (f for _group, fields in sections(cls) for f in fields):
             if f.name in skip:
                 continue
-            if f.name == "model_path":
-                default = "`$FERRY_HOME/models/SmolLM2-135M-Instruct`"
-            elif f.default is dataclasses.MISSING:
-                default = "(generated)"
-            else:
-                default = f"`{f.default}`"
+            default = f"`{default_text(f)}`"
             flag = f"`--{f.name.replace('_', '-')}`"
             out.append(
                 f"| {flag} | `{ENV_PREFIX}{f.name.upper()}` | {default} | {f.metadata.get('help', '')} |"
