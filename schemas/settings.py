@@ -11,7 +11,7 @@ import dataclasses
 import os
 import secrets
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 ENV_PREFIX = "FERRY_"
 
@@ -23,6 +23,11 @@ EngineName = Literal["sim", "vllm"]
 def _help(text: str, default: str | None = None) -> dict[str, str]:
     # `default` describes a default that is computed (an id, a path under $FERRY_HOME) for --help and the docs.
     return {"help": text} if default is None else {"help": text, "default": default}
+
+
+def values_of(settings: object, group: type[Any]) -> dict[str, Any]:
+    """What `settings` holds for the fields of `group`, one of the settings groups it is made of."""
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(group)}
 
 
 def default_home() -> Path:
