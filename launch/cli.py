@@ -30,13 +30,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd == "up":
         import uvloop
 
-        from launch.flags import load
-        from launch.stack import run_stack
-        from schemas.settings import StackSettings
+        from launch.stack import load_stack, run_stack
 
-        settings = load(StackSettings, rest, prog="ferry up")
-        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return uvloop.run(run_stack(settings))
+        stack = load_stack(rest)
+        logging.basicConfig(level=stack.frontend.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return uvloop.run(run_stack(stack))
     if cmd == "frontend":
         from launch.frontend import main as frontend_main
 

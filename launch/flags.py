@@ -12,7 +12,7 @@ import inspect
 import os
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Literal, TypeVar
 
 from schemas.settings import ENV_PREFIX
@@ -63,8 +63,17 @@ def _scalar_type(tp: Any) -> tuple[Any, list[Any] | None]:
 def build_parser(cls: type[Any], parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one flag per settings field, defaults taken from FERRY_* variables."""
     parser = parser or argparse.ArgumentParser()
+    add_flags(parser, cls, set())
+    return parser
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type[Any], taken: set[str]) -> None:
+    """Add a flag for each field of `cls` not in `taken` (a field another class declared), and take it."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if f.name in taken:
+            continue
+        taken.add(f.name)
         flag = "--" + f.name.replace("_", "-")
         env = ENV_PREFIX + f.name.upper()
         conv, choices = _scalar_type(hints[f.name])
@@ -75,7 +84,11 @@ def build_parser(cls: type[Any], parser: argparse.ArgumentParser | None = None) 
             )
         else:
             parser.add_argument(flag, dest=f.name, type=conv, choices=choices, default=None, help=help_text)
-    return parser
+
+
+def given(ns: argparse.Namespace) -> set[str]:
+    """The fields set by a flag on the command line (the others come from variables or defaults)."""
+    return {name for name, value in vars(ns).items() if value is not None}
 
 
 def from_namespace(
@@ -107,7 +120,7 @@ def load(cls: type[S], argv: Sequence[str] | None = None, prog: str | None = Non
     return from_namespace(cls, parser.parse_args(argv))
 
 
-def to_argv(settings: Any, only: Sequence[str] | None = None) -> list[str]:
+def to_argv(settings: Any, only: Collection[str] | None = None) -> list[str]:
     """Flags that reproduce `settings` (or the named fields of it) in a child process."""
     out: list[str] = []
     for f in dataclasses.fields(settings):

@@ -9,46 +9,52 @@ import dataclasses
 from typing import Any
 
 from launch.flags import default_text, sections
+from launch.stack import PER_CHILD
 from schemas.settings import ENV_PREFIX, CommonSettings, FrontendSettings, StackSettings, WorkerSettings
+
+UP_TITLE = "`ferry up`"
 
 
 def markdown_tables() -> str:
     """The settings tables of docs/architecture.md, generated so the page cannot drift from the code."""
     common = {f.name for f in dataclasses.fields(CommonSettings)}
-    tables: list[tuple[str, type[Any], set[str]]] = [
-        ("Shared by frontends and workers", CommonSettings, set()),
-        ("Frontend only (`ferry frontend`)", FrontendSettings, common),
-        ("Worker only (`ferry worker`)", WorkerSettings, common),
-        ("`ferry up`", StackSettings, set()),
+    ids = " and ".join(f"`--{name.replace('_', '-')}`" for name in PER_CHILD)
+    up_intro = (
+        f"`ferry up` takes every flag above except {ids} (it names each child itself) and passes each child "
+        "the ones it takes; there `--port 0` picks a free port. Its own flags:"
+    )
+    tables: list[tuple[str, str, type[Any], set[str]]] = [
+        ("Shared by frontends and workers", "", CommonSettings, set()),
+        ("Frontend only (`ferry frontend`)", "", FrontendSettings, common),
+        ("Worker only (`ferry worker`)", "", WorkerSettings, common),
+        (UP_TITLE, up_intro, StackSettings, set()),
     ]
     out: list[str] = []
-    for title, cls, skip in tables:
-        out += [f"### {title}", "", "| flag | variable | default | meaning |", "| --- | --- | --- | --- |"]
+    for title, intro, cls, skip in tables:
+        out += [f"### {title}", ""]
+        if intro:
+            out += [intro, ""]
+        out += ["| flag | variable | default | meaning |", "| --- | --- | --- | --- |"]
         for f in (f for _group, fields in sections(cls) for f in fields):
             if f.name in skip:
                 continue
-            default = f"`{default_text(f)}`"
             flag = f"`--{f.name.replace('_', '-')}`"
             out.append(
-                f"| {flag} | `{ENV_PREFIX}{f.name.upper()}` | {default} | {f.metadata.get('help', '')} |"
+                f"| {flag} | `{ENV_PREFIX}{f.name.upper()}` | `{default_text(f)}` | {f.metadata.get('help', '')} |"
             )
         out.append("")
     return "\n".join(out)
 
 
 def rewrite_tables(doc: str) -> str:
-    """`doc` with its settings tables (first section title through the last table row) regenerated."""
+    """`doc` with its settings tables (first section title through the last table's last row) regenerated."""
     tables = markdown_tables().rstrip("\n")
-    first, last = tables.splitlines()[0], "### `ferry up`"
-    start = doc.index(first)
-    end = doc.index(last, start)
-    lines = doc[end:].splitlines(keepends=True)
-    i = 1
-    while i < len(lines) and (not lines[i].strip() or lines[i].startswith("|")):
-        if not lines[i].strip() and i > 2 and lines[i - 1].startswith("|"):
-            break
-        i += 1
-    return doc[:start] + tables + "\n" + "".join(lines[i:])
+    start = doc.index(tables.splitlines()[0])
+    lines = doc[doc.index(f"### {UP_TITLE}", start) :].splitlines(keepends=True)
+    end = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return doc[:start] + tables + "\n" + "".join(lines[end:])
 
 
 if __name__ == "__main__":

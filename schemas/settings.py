@@ -158,7 +158,7 @@ class FrontendSettings(CommonSettings, RouterSettings, BatchSettings):
     """Settings of one frontend process (`ferry frontend`)."""
 
     host: str = dataclasses.field(default="127.0.0.1", metadata=_help("HTTP bind address"))
-    port: int = dataclasses.field(default=8000, metadata=_help("HTTP port"))
+    port: int = dataclasses.field(default=8000, metadata=_help("HTTP port (`ferry up`: 0 = any free port)"))
     frontend_id: str = dataclasses.field(
         default_factory=lambda: f"fe-{secrets.token_hex(4)}",
         metadata=_help("unique id; names this frontend's replies topic", default="fe-<random>"),
@@ -310,47 +310,15 @@ class WorkerSettings(CommonSettings, SimSettings, VLLMSettings, PoolSettings):
 
 @dataclasses.dataclass(kw_only=True)
 class StackSettings:
-    """Settings of `ferry up`: the whole system on one machine."""
+    """Settings of `ferry up` itself; it also takes every frontend and worker setting and passes each on."""
 
     workers: int = dataclasses.field(default=2, metadata=_help("number of workers to start"))
-    engine: EngineName = dataclasses.field(
-        default="sim", metadata=_help("engine of every worker: sim or vllm")
-    )
-    host: str = dataclasses.field(default="127.0.0.1", metadata=_help("frontend bind address"))
-    port: int = dataclasses.field(default=8000, metadata=_help("frontend port; 0 = any free port"))
     kafka: str = dataclasses.field(
-        default="", metadata=_help("use this Kafka instead of the embedded broker")
+        default="", metadata=_help("use this Kafka instead of starting the embedded broker")
     )
-    redis: str = dataclasses.field(default="", metadata=_help("use this Redis instead of an embedded one"))
-    redis_prefix: str = dataclasses.field(default="ferry:", metadata=_help("prefix of every Redis key"))
-    model_path: str = dataclasses.field(
-        default_factory=default_model_path,
-        metadata=_help("model directory", default=f"$FERRY_HOME/models/{DEFAULT_MODEL_NAME}"),
+    redis: str = dataclasses.field(
+        default="", metadata=_help("use this Redis instead of starting an embedded one")
     )
-    served_model_name: str = dataclasses.field(default=DEFAULT_MODEL_NAME, metadata=_help("model name"))
-    router_policy: RouterPolicy = dataclasses.field(
-        default="kv", metadata=_help("how the frontend picks a worker")
-    )
-    kv_events: bool = dataclasses.field(
-        default=True, metadata=_help("kv: use KV events (--no-kv-events: approximate from routing decisions)")
-    )
-    inflight_overlap: bool = dataclasses.field(
-        default=True, metadata=_help("kv: count blocks of in-flight sequences as held by their worker")
-    )
-    decode_load: DecodeLoad = dataclasses.field(
-        default="distinct", metadata=_help("kv: decode load per distinct block or per sequence")
-    )
-    overlap_weight: float = dataclasses.field(default=1.0, metadata=_help("kv: weight of prefill work"))
-    router_temperature: float = dataclasses.field(default=0.0, metadata=_help("kv: softmax temperature"))
-    migration_limit: int = dataclasses.field(
-        default=3, metadata=_help("moves of a sequence to another worker after its worker died; 0 = never")
-    )
-    speedup: float = dataclasses.field(default=1.0, metadata=_help("sim: divide simulated step time by this"))
-    block_size: int = dataclasses.field(default=64, metadata=_help("KV block size in tokens"))
-    num_blocks: int = dataclasses.field(default=16384, metadata=_help("sim: KV blocks per worker"))
-    max_model_len: int = dataclasses.field(default=0, metadata=_help("context length; 0 = the model's"))
-    heartbeat_interval_s: float = dataclasses.field(default=1.0, metadata=_help("worker heartbeat period"))
-    log_level: str = dataclasses.field(default="info", metadata=_help("debug, info, warning, error"))
     ready_timeout_s: float = dataclasses.field(
         default=120.0, metadata=_help("give up if the stack is not ready within this many seconds")
     )
