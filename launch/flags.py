@@ -68,22 +68,32 @@ def build_parser(cls: type[Any], parser: argparse.ArgumentParser | None = None) 
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type[Any], taken: set[str]) -> None:
-    """Add a flag for each field of `cls` not in `taken` (a field another class declared), and take it."""
+    """Add a flag for each field of `cls` not in `taken` (a field another class declared), and take it;
+    one help section per settings group."""
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in taken:
+    for group, fields in sections(cls):
+        fields = [f for f in fields if f.name not in taken]
+        if not fields:
             continue
-        taken.add(f.name)
-        flag = "--" + f.name.replace("_", "-")
-        env = ENV_PREFIX + f.name.upper()
-        conv, choices = _scalar_type(hints[f.name])
-        help_text = f"{f.metadata.get('help', '')} [env {env}]"
-        if conv is bool:
-            parser.add_argument(
-                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        else:
-            parser.add_argument(flag, dest=f.name, type=conv, choices=choices, default=None, help=help_text)
+        section = parser.add_argument_group(_title(group))
+        for f in fields:
+            taken.add(f.name)
+            flag = "--" + f.name.replace("_", "-")
+            conv, choices = _scalar_type(hints[f.name])
+            shown = f"(default: {default_text(f)}; env {ENV_PREFIX}{f.name.upper()})"
+            help_text = f"{f.metadata.get('help', '')} {shown}".replace("%", "%%")  # argparse %-formats help
+            if conv is bool:
+                section.add_argument(
+                    flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+                )
+            else:
+                section.add_argument(
+                    flag, dest=f.name, type=conv, choices=choices, default=None, help=help_text
+                )
+
+
+def _title(group: type[Any]) -> str:
+    return (group.__doc__ or group.__name__).strip().splitlines()[0].rstrip(".")
 
 
 def given(ns: argparse.Namespace) -> set[str]:
@@ -114,9 +124,13 @@ def from_namespace(
     return cls(**values)
 
 
+EPILOG = "Every flag can also be set through its FERRY_* variable; a flag wins over the variable, which wins over the default."
+
+
 def load(cls: type[S], argv: Sequence[str] | None = None, prog: str | None = None) -> S:
     """Parse `argv` into a settings object of type `cls`."""
-    parser = build_parser(cls, argparse.ArgumentParser(prog=prog, description=cls.__doc__))
+    parser = argparse.ArgumentParser(prog=prog, usage="%(prog)s [flags]", description=cls.__doc__, epilog=EPILOG)
+    build_parser(cls, parser)
     return from_namespace(cls, parser.parse_args(argv))
 
 

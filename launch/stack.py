@@ -12,7 +12,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from launch.flags import add_flags, from_namespace, given, to_argv
+from launch.flags import EPILOG, add_flags, from_namespace, given, to_argv
 from launch.services import Child, free_port, start_broker, start_redis
 from schemas.settings import FrontendSettings, StackSettings, WorkerSettings
 
@@ -39,9 +39,11 @@ def stack_parser() -> argparse.ArgumentParser:
     """`ferry up`'s flags: its own, then every frontend and worker flag but the per-child ids."""
     parser = argparse.ArgumentParser(
         prog="ferry up",
+        usage="%(prog)s [flags]",
         description="The whole system on one machine: an embedded Kafka broker and Redis (unless --kafka / "
         "--redis name running ones), N workers and a frontend. Takes every flag of `ferry frontend` and "
         "`ferry worker` but their ids, and passes each child the ones it takes.",
+        epilog=EPILOG,
     )
     taken = set(PER_CHILD)
     for cls in (StackSettings, FrontendSettings, WorkerSettings):

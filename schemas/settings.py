@@ -310,7 +310,7 @@ class WorkerSettings(CommonSettings, SimSettings, VLLMSettings, PoolSettings):
 
 @dataclasses.dataclass(kw_only=True)
 class StackSettings:
-    """Settings of `ferry up` itself; it also takes every frontend and worker setting and passes each on."""
+    """Settings of `ferry up` itself (it also takes the frontend's and the workers')."""
 
     workers: int = dataclasses.field(default=2, metadata=_help("number of workers to start"))
     kafka: str = dataclasses.field(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
@@ -47,3 +48,11 @@ def test_ferry_up_passes_each_child_the_flags_given_for_it(monkeypatch: pytest.M
 def test_ferry_up_has_no_per_child_id() -> None:
     with pytest.raises(SystemExit):
         load_stack(["--worker-id", "w1"])
+
+
+@pytest.mark.parametrize("parser", [build_parser(FrontendSettings), build_parser(WorkerSettings), stack_parser()])
+def test_help_shows_each_flags_default_and_variable(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        if action.dest != "help":
+            assert action.help is not None and "(default: " in action.help, action.dest
+            assert f"env FERRY_{action.dest.upper()})" in action.help, action.dest
