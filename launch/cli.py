@@ -1,4 +1,4 @@
-"""The `ferry` command: up, frontend, worker, model prepare."""
+"""The `ferry` command: up, frontend, worker, batch, model prepare."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from launch.stack import load_stack, run_stack
 
         stack = load_stack(rest)
-        logging.basicConfig(level=stack.frontend.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=stack.frontend.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         return uvloop.run(run_stack(stack))
     if cmd == "frontend":
         from launch.frontend import main as frontend_main

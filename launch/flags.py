@@ -129,7 +129,9 @@ EPILOG = "Every flag can also be set through its FERRY_* variable; a flag wins o
 
 def load(cls: type[S], argv: Sequence[str] | None = None, prog: str | None = None) -> S:
     """Parse `argv` into a settings object of type `cls`."""
-    parser = argparse.ArgumentParser(prog=prog, usage="%(prog)s [flags]", description=cls.__doc__, epilog=EPILOG)
+    parser = argparse.ArgumentParser(
+        prog=prog, usage="%(prog)s [flags]", description=cls.__doc__, epilog=EPILOG
+    )
     build_parser(cls, parser)
     return from_namespace(cls, parser.parse_args(argv))
 

@@ -18,8 +18,11 @@ def test_settings_from_flags_env_and_defaults() -> None:
     s = from_namespace(FrontendSettings, ns, env)
     assert (s.port, s.log_prompts, s.kafka) == (9001, True, "k:2")  # flag beats variable
     with pytest.raises(SystemExit):
-        from_namespace(FrontendSettings, build_parser(FrontendSettings).parse_args([]),
-                       {"FERRY_ROUTER_POLICY": "fastest"})
+        from_namespace(
+            FrontendSettings,
+            build_parser(FrontendSettings).parse_args([]),
+            {"FERRY_ROUTER_POLICY": "fastest"},
+        )
     w = load(WorkerSettings, ["--worker-id", "w7", "--speedup", "3"])
     assert load(WorkerSettings, to_argv(w)) == w
 
@@ -40,7 +43,13 @@ def test_ferry_up_passes_each_child_the_flags_given_for_it(monkeypatch: pytest.M
     assert stack.frontend.api_keys == "secret" and stack.worker.block_size == 32  # read from the variables
     # Variables reach the children through their environment, never as flags (keys stay out of `ps`);
     # the launcher sets --port, --kafka and --redis itself.
-    assert stack.frontend_flags == ["--router-policy", "round_robin", "--no-kv-events", "--heartbeat-interval-s", "0.5"]
+    assert stack.frontend_flags == [
+        "--router-policy",
+        "round_robin",
+        "--no-kv-events",
+        "--heartbeat-interval-s",
+        "0.5",
+    ]
     assert stack.worker_flags == ["--speedup", "20.0", "--heartbeat-interval-s", "0.5"]
     assert load(WorkerSettings, stack.worker_flags).speedup == 20.0
 
@@ -50,7 +59,9 @@ def test_ferry_up_has_no_per_child_id() -> None:
         load_stack(["--worker-id", "w1"])
 
 
-@pytest.mark.parametrize("parser", [build_parser(FrontendSettings), build_parser(WorkerSettings), stack_parser()])
+@pytest.mark.parametrize(
+    "parser", [build_parser(FrontendSettings), build_parser(WorkerSettings), stack_parser()]
+)
 def test_help_shows_each_flags_default_and_variable(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:
         if action.dest != "help":
