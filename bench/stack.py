@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.services import Child, free_port
+from launch.services import Child, free_port
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -69,10 +69,10 @@ def _role(cmdline: list[str]) -> str | None:
         return "kafka"
     if "redis-server" in joined:
         return "redis"
-    if "-m workers" in joined:
+    if "launch worker" in joined:
         m = re.search(r"--worker-id (\S+)", joined)
         return m.group(1) if m else "worker"
-    if "server frontend" in joined:
+    if "launch frontend" in joined:
         return "frontend"
     return None
 
@@ -126,7 +126,7 @@ class FerryStack:
         """Start `ferry up` on a free loopback port and wait for its `ferry-ready` line."""
         port = free_port()
         argv = [
-            sys.executable, "-m", "server", "up",
+            sys.executable, "-m", "launch", "up",
             "--host", "127.0.0.1", "--port", str(port),
             "--workers", str(workers), "--speedup", repr(speedup),
             # The launcher waits for each worker's info-level "ready" line, so no quieter level than info.

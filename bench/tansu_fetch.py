@@ -15,7 +15,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from bench.stack import process_cpu_seconds
 from kvstore.kafka_log import ensure_topics
-from server.services import Child, start_broker
+from launch.services import Child, start_broker
 
 
 async def broker_ms_per_round_trip(child: Child, boot: str, producer: AIOKafkaProducer, topic: str, n: int) -> float:

@@ -13,7 +13,7 @@ import time
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from kvstore.kafka_log import ensure_topics
-from server.services import Child, start_broker
+from launch.services import Child, start_broker
 
 
 def cpu(pid: int) -> float:

@@ -1,27 +1,33 @@
-"""One settings object per process, filled from command-line flags and `FERRY_*` environment variables.
+"""The declaration of every setting: one settings object per process, grouped by concern.
 
 Each field of a settings class becomes a flag (`worker_id` -> `--worker-id`) whose default comes from
-the environment (`FERRY_WORKER_ID`) and then from the class. The launcher passes settings to child
-processes as flags, so the names here are a contract between processes.
+the environment (`FERRY_WORKER_ID`) and then from the class (launch/flags.py reads them). The launcher
+passes settings to child processes as flags, so the names here are a contract between processes.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import secrets
-import types
-import typing
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 ENV_PREFIX = "FERRY_"
 
+RouterPolicy = Literal["kv", "round_robin", "random", "least_loaded"]
+DecodeLoad = Literal["distinct", "sequences"]
+EngineName = Literal["sim", "vllm"]
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+
+def _help(text: str, default: str | None = None) -> dict[str, str]:
+    # `default` describes a default that is computed (an id, a path under $FERRY_HOME) for --help and the docs.
+    return {"help": text} if default is None else {"help": text, "default": default}
+
+
+def values_of(settings: object, group: type[Any]) -> dict[str, Any]:
+    """What `settings` holds for the fields of `group`, one of the settings groups it is made of."""
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(group)}
 
 
 def default_home() -> Path:
@@ -45,7 +51,10 @@ class CommonSettings:
     redis: str = dataclasses.field(default="redis://127.0.0.1:6379/0", metadata=_help("Redis URL"))
     redis_prefix: str = dataclasses.field(default="ferry:", metadata=_help("prefix of every Redis key"))
     model_path: str = dataclasses.field(
-        default_factory=default_model_path, metadata=_help("model directory (tokenizer, config)")
+        default_factory=default_model_path,
+        metadata=_help(
+            "model directory (tokenizer, config)", default=f"$FERRY_HOME/models/{DEFAULT_MODEL_NAME}"
+        ),
     )
     served_model_name: str = dataclasses.field(
         default=DEFAULT_MODEL_NAME, metadata=_help("model name clients ask for")
@@ -71,23 +80,10 @@ class CommonSettings:
 
 
 @dataclasses.dataclass(kw_only=True)
-class FrontendSettings(CommonSettings):
-    """Settings of one frontend process (`ferry frontend`)."""
+class RouterSettings:
+    """Routing: how a frontend picks a worker (server/router.py)."""
 
-    host: str = dataclasses.field(default="127.0.0.1", metadata=_help("HTTP bind address"))
-    port: int = dataclasses.field(default=8000, metadata=_help("HTTP port"))
-    frontend_id: str = dataclasses.field(
-        default_factory=lambda: f"fe-{secrets.token_hex(4)}",
-        metadata=_help("unique id; names this frontend's replies topic"),
-    )
-    replies_roll_records: int = dataclasses.field(
-        default=4_000,
-        metadata=_help(
-            "start a fresh replies topic after this many records (the embedded broker's fetches slow down "
-            "as a partition grows); 0 = one topic for the frontend's life"
-        ),
-    )
-    router_policy: Literal["kv", "round_robin", "random", "least_loaded"] = dataclasses.field(
+    router_policy: RouterPolicy = dataclasses.field(
         default="kv", metadata=_help("how to pick a worker: kv = longest cached prefix weighed against load")
     )
     overlap_weight: float = dataclasses.field(
@@ -98,7 +94,9 @@ class FrontendSettings(CommonSettings):
     )
     kv_events: bool = dataclasses.field(
         default=True,
-        metadata=_help("kv: use the workers' KV events in Redis; --no-kv-events = the router's own decisions"),
+        metadata=_help(
+            "kv: use the workers' KV events in Redis; --no-kv-events = the router's own decisions"
+        ),
     )
     approx_ttl_s: float = dataclasses.field(
         default=120.0, metadata=_help("kv --no-kv-events: how long a routed prompt counts as cached")
@@ -107,7 +105,7 @@ class FrontendSettings(CommonSettings):
         default=True,
         metadata=_help("kv: count prompt blocks of sequences this frontend sent a worker as held there"),
     )
-    decode_load: Literal["distinct", "sequences"] = dataclasses.field(
+    decode_load: DecodeLoad = dataclasses.field(
         default="distinct",
         metadata=_help("kv: charge decode load per distinct block (as engines store it) or per sequence"),
     )
@@ -116,6 +114,61 @@ class FrontendSettings(CommonSettings):
     )
     busy_waiting: int = dataclasses.field(
         default=0, metadata=_help("skip workers with at least this many waiting requests; 0 = no limit")
+    )
+
+
+@dataclasses.dataclass(kw_only=True)
+class BatchSettings:
+    """Batch API: files, batches and their items (server/batch/)."""
+
+    batch_dir: str = dataclasses.field(
+        default="", metadata=_help("directory of uploaded and result files; empty = $FERRY_HOME/files")
+    )
+    batch_windows: str = dataclasses.field(
+        default="24h",
+        metadata=_help("completion windows a batch may ask for, comma-separated (e.g. 24h,10s)"),
+    )
+    batch_priority: int = dataclasses.field(
+        default=100,
+        metadata=_help("engine priority of batch items; interactive requests default to 0, lower runs first"),
+    )
+    batch_order: Literal["prefix", "submission"] = dataclasses.field(
+        default="prefix",
+        metadata=_help(
+            "prefix = items sharing a prompt prefix run together on one worker; submission = file order"
+        ),
+    )
+    batch_cancel_grace_s: float = dataclasses.field(
+        default=5.0,
+        metadata=_help("a cancelling batch is cancelled once every item is accounted for or after this long"),
+    )
+    batch_max_file_bytes: int = dataclasses.field(
+        default=200 << 20, metadata=_help("largest file accepted by POST /v1/files")
+    )
+    batch_max_requests: int = dataclasses.field(
+        default=50_000, metadata=_help("most requests in one batch file")
+    )
+    batch_kafka_intake: bool = dataclasses.field(
+        default=True, metadata=_help("take Kafka-native batch items from ferry.batch.submit.<model>")
+    )
+
+
+@dataclasses.dataclass(kw_only=True)
+class FrontendSettings(CommonSettings, RouterSettings, BatchSettings):
+    """Settings of one frontend process (`ferry frontend`)."""
+
+    host: str = dataclasses.field(default="127.0.0.1", metadata=_help("HTTP bind address"))
+    port: int = dataclasses.field(default=8000, metadata=_help("HTTP port (`ferry up`: 0 = any free port)"))
+    frontend_id: str = dataclasses.field(
+        default_factory=lambda: f"fe-{secrets.token_hex(4)}",
+        metadata=_help("unique id; names this frontend's replies topic", default="fe-<random>"),
+    )
+    replies_roll_records: int = dataclasses.field(
+        default=4_000,
+        metadata=_help(
+            "start a fresh replies topic after this many records (the embedded broker's fetches slow down "
+            "as a partition grows); 0 = one topic for the frontend's life"
+        ),
     )
     busy_wait_s: float = dataclasses.field(
         default=5.0, metadata=_help("when every worker is busy, wait this long for one before 503")
@@ -157,38 +210,14 @@ class FrontendSettings(CommonSettings):
     resume_ttl_s: float = dataclasses.field(
         default=600.0, metadata=_help("how long a resumable stream can be resumed after it started")
     )
-    # ---- batch API (server/batch/)
-    batch_dir: str = dataclasses.field(
-        default="", metadata=_help("directory of uploaded and result files; empty = $FERRY_HOME/files")
-    )
-    batch_windows: str = dataclasses.field(
-        default="24h", metadata=_help("completion windows a batch may ask for, comma-separated (e.g. 24h,10s)")
-    )
-    batch_priority: int = dataclasses.field(
-        default=100,
-        metadata=_help("engine priority of batch items; interactive requests default to 0, lower runs first"),
-    )
-    batch_order: Literal["prefix", "submission"] = dataclasses.field(
-        default="prefix",
-        metadata=_help("prefix = items sharing a prompt prefix run together on one worker; submission = file order"),
-    )
-    batch_cancel_grace_s: float = dataclasses.field(
-        default=5.0,
-        metadata=_help("a cancelling batch is cancelled once every item is accounted for or after this long"),
-    )
-    batch_max_file_bytes: int = dataclasses.field(
-        default=200 << 20, metadata=_help("largest file accepted by POST /v1/files")
-    )
-    batch_max_requests: int = dataclasses.field(default=50_000, metadata=_help("most requests in one batch file"))
-    batch_kafka_intake: bool = dataclasses.field(
-        default=True, metadata=_help("take Kafka-native batch items from ferry.batch.submit.<model>")
-    )
     tokenize_threshold_chars: int = dataclasses.field(
         default=2048, metadata=_help("tokenize prompts longer than this off the event loop")
     )
     log_prompts: bool = dataclasses.field(
         default=False,
-        metadata=_help("write prompt texts to the log (at info); when off, no prompt text or token id is logged"),
+        metadata=_help(
+            "write prompt texts to the log (at info); when off, no prompt text or token id is logged"
+        ),
     )
     api_keys: str = dataclasses.field(
         default="",
@@ -198,39 +227,42 @@ class FrontendSettings(CommonSettings):
         ),
     )
     admin_key: str = dataclasses.field(
-        default="", metadata=_help("key for /v1/admin/* (and every other route); unset with --api-keys = admin routes closed")
+        default="",
+        metadata=_help(
+            "key for /v1/admin/* (and every other route); unset with --api-keys = admin routes closed"
+        ),
     )
 
 
 @dataclasses.dataclass(kw_only=True)
-class WorkerSettings(CommonSettings):
-    """Settings of one worker process (`ferry worker`)."""
+class EngineSettings:
+    """Engine: what both engines take (workers/sim.py, workers/vllm_engine.py)."""
 
-    worker_id: str = dataclasses.field(
-        default_factory=lambda: f"w-{secrets.token_hex(4)}",
-        metadata=_help("unique id; names this worker's requests topic"),
-    )
-    engine: Literal["sim", "vllm"] = dataclasses.field(
-        default="sim", metadata=_help("inference engine: sim (simulated) or vllm (needs vLLM installed)")
-    )
     max_model_len: int = dataclasses.field(
         default=0, metadata=_help("context length; 0 = the model's own (sim) or 2048 (vllm)")
     )
     block_size: int = dataclasses.field(
         default=64, metadata=_help("KV block size in tokens (vllm on CPU: a multiple of 32)")
     )
+    max_num_seqs: int = dataclasses.field(default=256, metadata=_help("sequences batched per step"))
+    max_num_batched_tokens: int = dataclasses.field(default=8192, metadata=_help("token budget per step"))
+
+
+@dataclasses.dataclass(kw_only=True)
+class SimSettings(EngineSettings):
+    """Simulated engine: its SimConfig (workers/sim.py)."""
+
     num_blocks: int = dataclasses.field(default=16384, metadata=_help("sim: KV blocks in the pool"))
+    speedup: float = dataclasses.field(default=1.0, metadata=_help("sim: divide simulated step time by this"))
+
+
+@dataclasses.dataclass(kw_only=True)
+class VLLMSettings(EngineSettings):
+    """vLLM engine: its VLLMConfig (workers/vllm_engine.py)."""
+
     kv_cache_gib: float = dataclasses.field(default=1.0, metadata=_help("vllm: KV cache size in GiB"))
     kv_events_port: int = dataclasses.field(
         default=0, metadata=_help("vllm: loopback port for vLLM's KV events; 0 = any free port")
-    )
-    max_num_seqs: int = dataclasses.field(default=256, metadata=_help("sequences batched per step"))
-    max_num_batched_tokens: int = dataclasses.field(default=8192, metadata=_help("token budget per step"))
-    speedup: float = dataclasses.field(default=1.0, metadata=_help("sim: divide simulated step time by this"))
-    metrics_host: str = dataclasses.field(default="127.0.0.1", metadata=_help("bind address of /metrics"))
-    metrics_port: int = dataclasses.field(default=0, metadata=_help("port of /metrics; 0 = any free port"))
-    drain_grace_s: float = dataclasses.field(
-        default=30.0, metadata=_help("on SIGTERM, how long in-flight requests may take to finish")
     )
     max_loras: int = dataclasses.field(
         default=0, metadata=_help("vllm: LoRA adapters one engine step can mix; 0 = LoRA off (faster start)")
@@ -238,7 +270,12 @@ class WorkerSettings(CommonSettings):
     max_lora_rank: int = dataclasses.field(
         default=16, metadata=_help("vllm: largest LoRA rank an adapter may have (8, 16, 32, 64, ...)")
     )
-    # ---- batch work (workers/pool_consumer.py)
+
+
+@dataclasses.dataclass(kw_only=True)
+class PoolSettings:
+    """Batch work: the ferry.pool.<model> consumer (workers/pool_consumer.py)."""
+
     pool: bool = dataclasses.field(
         default=True, metadata=_help("take batch work from ferry.pool.<model> when there is spare capacity")
     )
@@ -253,172 +290,35 @@ class WorkerSettings(CommonSettings):
     )
 
 
-S = TypeVar("S")
+@dataclasses.dataclass(kw_only=True)
+class WorkerSettings(CommonSettings, SimSettings, VLLMSettings, PoolSettings):
+    """Settings of one worker process (`ferry worker`)."""
 
-
-def _scalar_type(tp: Any) -> tuple[Any, list[Any] | None]:
-    """The converter and choices for one annotated field type."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        choices = list(typing.get_args(tp))
-        return type(choices[0]), choices
-    if origin in (types.UnionType, typing.Union):
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _scalar_type(inner[0])
-    return tp, None
-
-
-def build_parser(cls: type[Any], parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """An argparse parser with one flag per settings field, defaults taken from FERRY_* variables."""
-    parser = parser or argparse.ArgumentParser()
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        env = ENV_PREFIX + f.name.upper()
-        conv, choices = _scalar_type(hints[f.name])
-        help_text = f"{f.metadata.get('help', '')} [env {env}]"
-        if conv is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            parser.add_argument(flag, dest=f.name, type=conv, choices=choices, default=None, help=help_text)
-    return parser
-
-
-def from_namespace(cls: type[S], ns: argparse.Namespace, environ: typing.Mapping[str, str] | None = None) -> S:
-    """Settings from parsed flags, then FERRY_* variables, then defaults."""
-    environ = os.environ if environ is None else environ
-    hints = typing.get_type_hints(cls)
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        flag_value = getattr(ns, f.name, None)
-        if flag_value is not None:
-            values[f.name] = flag_value
-            continue
-        raw = environ.get(ENV_PREFIX + f.name.upper())
-        if raw is None:
-            continue
-        conv, choices = _scalar_type(hints[f.name])
-        value = raw.strip().lower() in ("1", "true", "yes", "on") if conv is bool else conv(raw)
-        if choices is not None and value not in choices:
-            raise SystemExit(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: expected one of {choices}")
-        values[f.name] = value
-    return cls(**values)
-
-
-def load(cls: type[S], argv: Sequence[str] | None = None, prog: str | None = None) -> S:
-    """Parse `argv` into a settings object of type `cls`."""
-    parser = build_parser(cls, argparse.ArgumentParser(prog=prog, description=cls.__doc__))
-    return from_namespace(cls, parser.parse_args(argv))
-
-
-def to_argv(settings: Any, only: Sequence[str] | None = None) -> list[str]:
-    """Flags that reproduce `settings` (or the named fields of it) in a child process."""
-    out: list[str] = []
-    for f in dataclasses.fields(settings):
-        if only is not None and f.name not in only:
-            continue
-        value = getattr(settings, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + f.name.replace("_", "-"))
-        else:
-            out += [flag, str(value)]
-    return out
+    worker_id: str = dataclasses.field(
+        default_factory=lambda: f"w-{secrets.token_hex(4)}",
+        metadata=_help("unique id; names this worker's requests topic", default="w-<random>"),
+    )
+    engine: EngineName = dataclasses.field(
+        default="sim", metadata=_help("inference engine: sim (simulated) or vllm (needs vLLM installed)")
+    )
+    metrics_host: str = dataclasses.field(default="127.0.0.1", metadata=_help("bind address of /metrics"))
+    metrics_port: int = dataclasses.field(default=0, metadata=_help("port of /metrics; 0 = any free port"))
+    drain_grace_s: float = dataclasses.field(
+        default=30.0, metadata=_help("on SIGTERM, how long in-flight requests may take to finish")
+    )
 
 
 @dataclasses.dataclass(kw_only=True)
 class StackSettings:
-    """Settings of `ferry up`: the whole system on one machine."""
+    """Settings of `ferry up` itself (it also takes the frontend's and the workers')."""
 
     workers: int = dataclasses.field(default=2, metadata=_help("number of workers to start"))
-    engine: Literal["sim", "vllm"] = dataclasses.field(
-        default="sim", metadata=_help("engine of every worker: sim or vllm")
+    kafka: str = dataclasses.field(
+        default="", metadata=_help("use this Kafka instead of starting the embedded broker")
     )
-    host: str = dataclasses.field(default="127.0.0.1", metadata=_help("frontend bind address"))
-    port: int = dataclasses.field(default=8000, metadata=_help("frontend port; 0 = any free port"))
-    kafka: str = dataclasses.field(default="", metadata=_help("use this Kafka instead of the embedded broker"))
-    redis: str = dataclasses.field(default="", metadata=_help("use this Redis instead of an embedded one"))
-    redis_prefix: str = dataclasses.field(default="ferry:", metadata=_help("prefix of every Redis key"))
-    model_path: str = dataclasses.field(default_factory=default_model_path, metadata=_help("model directory"))
-    served_model_name: str = dataclasses.field(default=DEFAULT_MODEL_NAME, metadata=_help("model name"))
-    router_policy: Literal["kv", "round_robin", "random", "least_loaded"] = dataclasses.field(
-        default="kv", metadata=_help("how the frontend picks a worker")
+    redis: str = dataclasses.field(
+        default="", metadata=_help("use this Redis instead of starting an embedded one")
     )
-    kv_events: bool = dataclasses.field(
-        default=True, metadata=_help("kv: use KV events (--no-kv-events: approximate from routing decisions)")
-    )
-    inflight_overlap: bool = dataclasses.field(
-        default=True, metadata=_help("kv: count blocks of in-flight sequences as held by their worker")
-    )
-    decode_load: Literal["distinct", "sequences"] = dataclasses.field(
-        default="distinct", metadata=_help("kv: decode load per distinct block or per sequence")
-    )
-    overlap_weight: float = dataclasses.field(default=1.0, metadata=_help("kv: weight of prefill work"))
-    router_temperature: float = dataclasses.field(default=0.0, metadata=_help("kv: softmax temperature"))
-    migration_limit: int = dataclasses.field(
-        default=3, metadata=_help("moves of a sequence to another worker after its worker died; 0 = never")
-    )
-    speedup: float = dataclasses.field(default=1.0, metadata=_help("sim: divide simulated step time by this"))
-    block_size: int = dataclasses.field(default=64, metadata=_help("KV block size in tokens"))
-    num_blocks: int = dataclasses.field(default=16384, metadata=_help("sim: KV blocks per worker"))
-    max_model_len: int = dataclasses.field(default=0, metadata=_help("context length; 0 = the model's"))
-    heartbeat_interval_s: float = dataclasses.field(default=1.0, metadata=_help("worker heartbeat period"))
-    log_level: str = dataclasses.field(default="info", metadata=_help("debug, info, warning, error"))
     ready_timeout_s: float = dataclasses.field(
         default=120.0, metadata=_help("give up if the stack is not ready within this many seconds")
     )
-
-
-def markdown_tables() -> str:
-    """The settings tables of docs/architecture.md, generated so the page cannot drift from the code."""
-    common = {f.name for f in dataclasses.fields(CommonSettings)}
-    sections: list[tuple[str, type[Any], set[str]]] = [
-        ("Shared by frontends and workers", CommonSettings, set()),
-        ("Frontend only (`ferry frontend`)", FrontendSettings, common),
-        ("Worker only (`ferry worker`)", WorkerSettings, common),
-        ("`ferry up`", StackSettings, set()),
-    ]
-    out: list[str] = []
-    for title, cls, skip in sections:
-        out += [f"### {title}", "", "| flag | variable | default | meaning |", "| --- | --- | --- | --- |"]
-        for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
-            if f.name == "model_path":
-                default = "`$FERRY_HOME/models/SmolLM2-135M-Instruct`"
-            elif f.default is dataclasses.MISSING:
-                default = "(generated)"
-            else:
-                default = f"`{f.default}`"
-            flag = f"`--{f.name.replace('_', '-')}`"
-            out.append(f"| {flag} | `{ENV_PREFIX}{f.name.upper()}` | {default} | {f.metadata.get('help', '')} |")
-        out.append("")
-    return "\n".join(out)
-
-
-def rewrite_tables(doc: str) -> str:
-    """`doc` with its settings tables (first section title through the last table row) regenerated."""
-    tables = markdown_tables().rstrip("\n")
-    first, last = tables.splitlines()[0], "### `ferry up`"
-    start = doc.index(first)
-    end = doc.index(last, start)
-    lines = doc[end:].splitlines(keepends=True)
-    i = 1
-    while i < len(lines) and (not lines[i].strip() or lines[i].startswith("|")):
-        if not lines[i].strip() and i > 2 and lines[i - 1].startswith("|"):
-            break
-        i += 1
-    return doc[:start] + tables + "\n" + "".join(lines[i:])
-
-
-if __name__ == "__main__":
-    import sys
-
-    if sys.argv[1:2] == ["--write"]:
-        path = sys.argv[2]
-        with open(path) as f:
-            text = rewrite_tables(f.read())
-        with open(path, "w") as f:
-            f.write(text)
-    else:
-        print(markdown_tables())

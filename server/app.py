@@ -61,7 +61,7 @@ from server.responses import (
     completion_stream,
 )
 from server.resume import Replay, ResumeStore, parse_last_event_id
-from server.router import Router, RouterConfig
+from server.router import Router
 from server.sse import SSEResponse
 
 log = logging.getLogger("ferry.frontend")
@@ -107,20 +107,9 @@ class Frontend:
         self.model = ModelFiles.load(Path(settings.model_path), settings.served_model_name)
         self.pre = Preprocessor(self.model, settings.tokenize_threshold_chars)
         self.fmt = LogprobFormatter(self.model)
-        self.router_config = RouterConfig(
-            policy=settings.router_policy,
-            overlap_weight=settings.overlap_weight,
-            temperature=settings.router_temperature,
-            busy_kv_usage=settings.busy_kv_usage,
-            busy_waiting=settings.busy_waiting,
-            kv_events=settings.kv_events,
-            approx_ttl_s=settings.approx_ttl_s,
-            inflight_overlap=settings.inflight_overlap,
-            decode_load=settings.decode_load,
-        )
         self.started = int(time.time())
         self.inflight = 0
-        self.draining = False  # set on SIGTERM (server/frontend_main.py): finish open work, take no new
+        self.draining = False  # set on SIGTERM (launch/frontend.py): finish open work, take no new
         self.svc: Services | None = None
         self.lora_admin: LoraAdmin | None = None  # LoRA load/unload (server/admin.py), once running
         self.background: set[asyncio.Future[None]] = set()
@@ -134,7 +123,7 @@ class Frontend:
         registry = Registry(redis, keys)
         index = KVIndex(redis, keys)
         board = LoadBoard(redis, keys)
-        self.router = router = Router(self.router_config, self.metrics, index)
+        self.router = router = Router(s, self.metrics, index)
         demux = ReplyDemux(
             s.kafka, reply_topic(s.frontend_id), s.kafka_fetch_wait_ms,
             roll_records=s.replies_roll_records, retain_s=s.resume_ttl_s, metrics=self.metrics,

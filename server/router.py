@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from kvstore.hashing import block_hashes, chain_seed
 from kvstore.kv_index import KVIndex
 from kvstore.load import WorkerLoad
+from schemas.settings import RouterSettings
 from schemas.status import WorkerStatus
 from server.approx_index import ApproxIndex
 from server.errors import APIError
@@ -42,28 +43,12 @@ from server.metrics import FrontendMetrics
 
 log = logging.getLogger("ferry.router")
 
-POLICIES = ("kv", "round_robin", "random", "least_loaded")
 # How long KV index lookups must go without an error before the index counts as back.
 INDEX_RECOVERY_S = 1.0
 
 
 class AllBusy(Exception):
     """Every live worker is over a busy threshold."""
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """The router's knobs (from FrontendSettings)."""
-
-    policy: str = "kv"
-    overlap_weight: float = 1.0
-    temperature: float = 0.0
-    busy_kv_usage: float = 0.95
-    busy_waiting: int = 0
-    kv_events: bool = True
-    approx_ttl_s: float = 120.0
-    inflight_overlap: bool = True
-    decode_load: str = "distinct"  # or "sequences"
 
 
 @dataclass
@@ -100,14 +85,14 @@ class Router:
 
     def __init__(
         self,
-        config: RouterConfig,
+        config: RouterSettings,
         metrics: FrontendMetrics,
         index: KVIndex | None = None,
         rng: random.Random | None = None,
         index_recovery_s: float = INDEX_RECOVERY_S,
     ) -> None:
         self.config = config
-        self.policy = config.policy
+        self.policy = config.router_policy
         self._metrics = metrics
         self._index = index if config.kv_events else None
         self.approx = ApproxIndex(config.approx_ttl_s) if not config.kv_events else None
@@ -242,7 +227,7 @@ class Router:
             new_decode = prompt_blocks - shared if distinct else prompt_blocks
             costs.append(weight * prefill_blocks + decoding + new_decode)
         lo, hi = min(costs), max(costs)
-        t = self.config.temperature
+        t = self.config.router_temperature
         if t > 0 and hi > lo:
             weights = [math.exp(-(c - lo) / ((hi - lo) * t)) for c in costs]
             i = self._rng.choices(range(len(workers)), weights=weights)[0]

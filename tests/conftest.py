@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from server.services import start_broker, start_redis
+from launch.services import start_broker, start_redis
 from tests.harness import Harness, harness
 
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     """The default model directory, built once and reused across runs."""
-    from server.model_prepare import default_model_dir, prepare_model
+    from launch.model_prepare import default_model_dir, prepare_model
 
     logging.getLogger("ferry").setLevel(logging.WARNING)
     return prepare_model(default_model_dir())

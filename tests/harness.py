@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import uvicorn
 
+from launch.frontend import ReadyServer
+from launch.services import Child, free_port
 from schemas.settings import FrontendSettings, WorkerSettings
 from server.app import Frontend, create_app
-from server.frontend_main import ReadyServer
-from server.services import Child, free_port
-from workers.main import build_engine
+from workers.engine_choice import build_engine
 from workers.worker import Worker
 
 
@@ -103,7 +103,7 @@ async def worker_process(
     """A sim worker as a real child process (for tests that kill it), once it is registered."""
     child = await Child.spawn(
         worker_id,
-        [sys.executable, "-m", "workers", "--worker-id", worker_id, "--kafka", kafka, "--redis", redis,
+        [sys.executable, "-m", "launch", "worker", "--worker-id", worker_id, "--kafka", kafka, "--redis", redis,
          "--redis-prefix", prefix, "--model-path", str(model_path), "--heartbeat-interval-s", "0.2", *extra],
         echo=False,
     )
@@ -122,7 +122,7 @@ async def frontend_process(
     port = free_port()
     child = await Child.spawn(
         "frontend",
-        [sys.executable, "-m", "server", "frontend", "--port", str(port), "--kafka", kafka, "--redis", redis,
+        [sys.executable, "-m", "launch", "frontend", "--port", str(port), "--kafka", kafka, "--redis", redis,
          "--redis-prefix", prefix, "--model-path", str(model_path), "--frontend-id", f"fe-{uuid.uuid4().hex[:6]}",
          "--heartbeat-interval-s", "0.2", "--log-level", "warning", *extra],
         echo=False,

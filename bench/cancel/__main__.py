@@ -17,12 +17,12 @@ from typing import Any
 
 import uvicorn
 
+from launch.frontend import ReadyServer
+from launch.services import free_port, start_broker, start_redis
 from schemas.settings import FrontendSettings, WorkerSettings, default_model_path
 from server.app import create_app
-from server.frontend_main import ReadyServer
-from server.services import free_port, start_broker, start_redis
 from workers.engine import Engine
-from workers.main import build_engine
+from workers.engine_choice import build_engine
 from workers.worker import Worker
 
 REPO = Path(__file__).resolve().parents[2]

@@ -25,7 +25,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.stack import FerryStack
-from server.services import Child, start_broker, start_redis
+from launch.services import Child, start_broker, start_redis
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -99,7 +99,7 @@ def _service_addresses(stack: FerryStack) -> tuple[str, str]:
 
 
 def worker_argv(wid: str, kafka: str, redis: str, speedup: float) -> list[str]:
-    return [sys.executable, "-m", "workers", "--worker-id", wid, "--kafka", kafka, "--redis", redis,
+    return [sys.executable, "-m", "launch", "worker", "--worker-id", wid, "--kafka", kafka, "--redis", redis,
             "--speedup", str(speedup), "--log-level", "info"]  # fmt: skip
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.services import Child, free_port
+from launch.services import Child, free_port
 
 VERSION = "1.6.1"
 PACKAGES = (f"ai-dynamo=={VERSION}", f"ai-dynamo-runtime=={VERSION}")

@@ -19,7 +19,7 @@ Prompts decided on, in equal shares:
 
 Interface assumed (the lead's work in progress; `_kv_router` is the one place to change if it moves):
 `KVIndex(redis_client, RedisKeys(prefix))`, `await index.apply(worker_id, model, KVEventBatch)`,
-`Router(RouterConfig(policy="kv"), FrontendMetrics(), index=index)`, `await router.choose(model, workers,
+`Router(RouterSettings(router_policy="kv"), FrontendMetrics(), index=index)`, `await router.choose(model, workers,
 PromptMemo(token_ids)) -> Decision` and `router.started(decision)` / `router.finished(decision)`.
 """
 
@@ -46,11 +46,12 @@ def _kv_router(client: Any, prefix: str) -> tuple[Any, Callable[..., Awaitable[A
     """(index, choose(workers, tokens) -> Decision, router) built from Ferry's own classes."""
     from kvstore.kv_index import KVIndex
     from schemas.names import RedisKeys
+    from schemas.settings import RouterSettings
     from server.metrics import FrontendMetrics
-    from server.router import PromptMemo, Router, RouterConfig
+    from server.router import PromptMemo, Router
 
     index = KVIndex(client, RedisKeys(prefix))
-    router = Router(RouterConfig(policy="kv"), FrontendMetrics(), index=index)
+    router = Router(RouterSettings(router_policy="kv"), FrontendMetrics(), index=index)
 
     async def choose(workers: list[Any], tokens: list[int]) -> Any:
         return await router.choose(MODEL, workers, PromptMemo(tokens))
@@ -142,7 +143,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     """Fill the index, time the decisions; the results document."""
     import redis.asyncio as aioredis
 
-    from server.services import start_redis
+    from launch.services import start_redis
 
     child, url = await start_redis()
     client = aioredis.Redis.from_url(url)

@@ -73,7 +73,7 @@ class SystemSpec:
 def ferry_accepted_flags(python: str = sys.executable, cwd: Path | None = None) -> tuple[set[str], set[str]]:
     """The router policies and the flags `ferry up --help` lists."""
     out = subprocess.run(
-        [python, "-m", "server", "up", "--help"],
+        [python, "-m", "launch", "up", "--help"],
         capture_output=True,
         text=True,
         timeout=60,

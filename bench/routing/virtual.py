@@ -43,34 +43,35 @@ from bench.routing.systems import EngineKnobs
 from bench.workload import WorkItem
 from schemas.kafka import GenerateRequest, SamplingParams
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from schemas.settings import RouterSettings
 from schemas.status import WorkerStatus
 from server.metrics import FrontendMetrics
-from server.router import AllBusy, Decision, PromptMemo, Router, RouterConfig
+from server.router import AllBusy, Decision, PromptMemo, Router
 from workers.model_dir import load_model_info
 from workers.sim import SimConfig, SimEngine
 
 MODEL = "virtual"
 
 # Policies as (name, router config); the names match bench.routing's systems. A system named
-# "ferry <name> key=value ..." is the named one with RouterConfig fields overridden, e.g.
-# "ferry kv overlap_weight=1.5 temperature=0.05".
-POLICIES: dict[str, RouterConfig] = {
-    "ferry round_robin": RouterConfig(policy="round_robin"),
-    "ferry random": RouterConfig(policy="random"),
-    "ferry least_loaded": RouterConfig(policy="least_loaded"),
-    "ferry kv": RouterConfig(policy="kv"),
-    "ferry kv-approx": RouterConfig(policy="kv", kv_events=False),
-    "ferry kv-index-only": RouterConfig(policy="kv", inflight_overlap=False),
-    "ferry kv-sequences": RouterConfig(policy="kv", decode_load="sequences"),
-    "ferry kv-w2": RouterConfig(policy="kv", overlap_weight=2.0),
-    "ferry kv-w4": RouterConfig(policy="kv", overlap_weight=4.0),
+# "ferry <name> key=value ..." is the named one with RouterSettings fields overridden, e.g.
+# "ferry kv overlap_weight=1.5 router_temperature=0.05".
+POLICIES: dict[str, RouterSettings] = {
+    "ferry round_robin": RouterSettings(router_policy="round_robin"),
+    "ferry random": RouterSettings(router_policy="random"),
+    "ferry least_loaded": RouterSettings(router_policy="least_loaded"),
+    "ferry kv": RouterSettings(router_policy="kv"),
+    "ferry kv-approx": RouterSettings(router_policy="kv", kv_events=False),
+    "ferry kv-index-only": RouterSettings(router_policy="kv", inflight_overlap=False),
+    "ferry kv-sequences": RouterSettings(router_policy="kv", decode_load="sequences"),
+    "ferry kv-w2": RouterSettings(router_policy="kv", overlap_weight=2.0),
+    "ferry kv-w4": RouterSettings(router_policy="kv", overlap_weight=4.0),
 }
 # Not a router: each request goes to the worker where, reading the engines' own queues and caches, it
 # would get its first token soonest (a greedy bound on what knowing everything about the present buys).
 ORACLE = "oracle greedy-ttft"
 
 
-def router_config(system: str) -> RouterConfig:
+def router_config(system: str) -> RouterSettings:
     """The router configuration a system name stands for."""
     words = system.split()
     base = " ".join(words[:2])
@@ -81,7 +82,7 @@ def router_config(system: str) -> RouterConfig:
     for word in words[2:]:
         key, sep, value = word.partition("=")
         if not sep or not hasattr(config, key):
-            raise ValueError(f"{system!r}: {word!r} is not a RouterConfig field=value")
+            raise ValueError(f"{system!r}: {word!r} is not a RouterSettings field=value")
         default = getattr(config, key)
         overrides[key] = value.lower() in ("1", "true", "yes") if isinstance(default, bool) else type(default)(value)
     return replace(config, **overrides)
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.routing.virtual", description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default="ferry round_robin,ferry kv",
                    help=f"comma-separated, of: {', '.join([*POLICIES, ORACLE])}; a Ferry policy may be "
-                   "followed by RouterConfig overrides, e.g. 'ferry kv overlap_weight=2'")  # fmt: skip
+                   "followed by RouterSettings overrides, e.g. 'ferry kv overlap_weight=2'")  # fmt: skip
     add_workload_arguments(p, speedup=0.05, trace_rates=(8.0, 14.0, 20.0), prefix_rates=())
     p.add_argument("--hop-ms", type=float, default=2.0, help="one Kafka hop (request out, first token back)")
     p.add_argument("--event-delay-ms", type=float, default=5.0, help="engine step -> KV index")

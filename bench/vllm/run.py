@@ -33,8 +33,8 @@ from typing import Any
 from bench.overhead import PhaseResult, chat_body, machine_info, ms
 from bench.sse_client import Connection, StreamStats, stream_stats
 from bench.stack import FerryStack, children_of, process_cpu_seconds
+from launch.services import Child, free_port
 from schemas.settings import DEFAULT_MODEL_NAME
-from server.services import Child, free_port
 
 TARGET_THROUGHPUT_RATIO = 0.9  # Ferry's tokens/s >= 0.9 x vLLM's own server (issue 4, item 7)
 TARGET_ADDED_TTFT_MS = 10.0  # Ferry's TTFT p50 - vLLM's TTFT p50
@@ -284,7 +284,7 @@ async def amain(
     args: argparse.Namespace, levels: list[int]
 ) -> tuple[dict[tuple[str, int], Cell], dict[str, Any]]:
     """Start both systems, warm them up, measure interleaved rounds, stop both."""
-    from server.model_prepare import default_model_dir, prepare_model
+    from launch.model_prepare import default_model_dir, prepare_model
 
     model_dir = prepare_model(default_model_dir())
     # Ferry's worker reads the same variables (its engine sets the second by default as well).

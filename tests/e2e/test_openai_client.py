@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 from openai.types.chat import ChatCompletionMessageParam
 
-from server.services import Child
+from launch.services import Child
 
 pytestmark = pytest.mark.e2e
 
@@ -28,7 +28,7 @@ async def stack(model_path: Path) -> AsyncIterator[str]:
     """`ferry up` on a free port; yields the base URL once it printed its ready line."""
     child = await Child.spawn(
         "ferry-up",
-        [sys.executable, "-m", "server", "up", "--port", "0", "--workers", "2", "--speedup", "20",
+        [sys.executable, "-m", "launch", "up", "--port", "0", "--workers", "2", "--speedup", "20",
          "--model-path", str(model_path), "--heartbeat-interval-s", "0.5"],
         echo=False,
     )

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from server.services import Child, free_port
+from launch.services import Child, free_port
 from tests.harness import RunningWorker, harness, sse_events
 
 pytestmark = pytest.mark.integration
@@ -203,7 +203,7 @@ async def test_ferry_up_passes_keys_to_the_frontend(model_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "server",
+            "launch",
             "up",
             "--workers",
             "1",

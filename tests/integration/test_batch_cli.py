@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import main as ferry
+from launch.cli import main as ferry
 from tests.harness import harness
 from tests.integration.test_batch_api import chat_line, jsonl, model_name
 

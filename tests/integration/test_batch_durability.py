@@ -11,8 +11,8 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
+from launch.services import Child
 from server.batch.service import BatchService
-from server.services import Child
 from tests.harness import Harness, harness, worker_process
 from tests.integration.test_batch_api import chat_line, final_batch, jsonl, model_name, until
 

@@ -10,7 +10,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from kvstore.kafka_log import FetchWaitAdjuster, ensure_topics, stop_consumer
-from server.services import start_broker
+from launch.services import start_broker
 
 pytestmark = pytest.mark.integration
 

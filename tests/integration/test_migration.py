@@ -18,9 +18,9 @@ import redis.asyncio as aioredis
 from aiokafka.errors import UnknownError
 
 from kvstore.registry import Registry
+from launch.services import Child
 from schemas.kafka import SamplingParams, reply_decoder
 from schemas.names import RedisKeys
-from server.services import Child
 from tests.harness import Harness, RunningWorker, sse_events, worker_process
 from tests.integration.test_worker import Client
 from workers.worker import SEND_TRIES

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from server.services import Child, start_broker, start_redis
+from launch.services import Child, start_broker, start_redis
 from tests.harness import Harness, harness, sse_events
 
 pytestmark = pytest.mark.integration

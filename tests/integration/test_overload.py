@@ -19,7 +19,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from server.services import Child
+from launch.services import Child
 from tests.harness import frontend_process, sse_events, worker_process
 
 pytestmark = pytest.mark.integration

@@ -11,8 +11,8 @@ import redis.asyncio as aioredis
 
 from kvstore.hashing import block_hashes, chain_seed
 from kvstore.kv_index import KVIndex
+from launch.services import free_port, start_redis
 from schemas.names import RedisKeys
-from server.services import free_port, start_redis
 from tests.harness import Harness, harness, worker_process
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from schemas.settings import FrontendSettings, WorkerSettings, load
+from launch.flags import load
+from schemas.settings import FrontendSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
@@ -50,8 +51,13 @@ def test_kafka_advertises_the_address_the_services_use() -> None:
 
 
 def test_dockerfile_copies_existing_packages_and_installs_existing_extras() -> None:
-    for src in re.findall(r"^COPY (\S+)", DOCKERFILE, flags=re.M):
+    copied = re.findall(r"^COPY (\S+)", DOCKERFILE, flags=re.M)
+    for src in copied:
         assert (ROOT / src).exists(), src
-    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    # Every package the install includes, or `ferry` in the image cannot import it.
+    for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
+        assert pattern.rstrip("*") in copied, pattern
+    extras = set(pyproject["project"]["optional-dependencies"])
     (wanted,) = re.findall(r"pip install '\.\[([\w,]+)\]'", DOCKERFILE)
     assert set(wanted.split(",")) <= extras

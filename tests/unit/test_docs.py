@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from schemas.settings import markdown_tables
+from launch.settings_doc import markdown_tables
 
 DOC = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
 
 
 def test_settings_tables_match_the_code() -> None:
-    # Regenerate with: .venv/bin/python -m schemas.settings
+    # Regenerate with: .venv/bin/python -m launch.settings_doc --write docs/architecture.md
     assert markdown_tables().strip() in DOC

@@ -8,10 +8,11 @@ from collections import Counter
 import pytest
 
 from kvstore.hashing import block_hashes, chain_seed
+from schemas.settings import RouterSettings
 from schemas.status import WorkerStatus
 from server.errors import APIError
 from server.metrics import FrontendMetrics
-from server.router import AllBusy, PromptMemo, Router, RouterConfig
+from server.router import AllBusy, PromptMemo, Router
 
 
 def _w(wid: str, waiting: int = 0, kv_usage: float = 0.0) -> WorkerStatus:
@@ -34,7 +35,7 @@ class FakeIndex:
 
 
 def _router(policy: str = "kv", index: FakeIndex | None = None, seed: int = 0, **cfg: object) -> Router:
-    return Router(RouterConfig(policy=policy, **cfg), FrontendMetrics(), index, random.Random(seed))  # type: ignore[arg-type]
+    return Router(RouterSettings(router_policy=policy, **cfg), FrontendMetrics(), index, random.Random(seed))  # type: ignore[arg-type]
 
 
 PROMPT = list(range(160))  # 10 blocks of 16
@@ -171,7 +172,7 @@ async def test_overlap_weight_zero_ignores_the_cache() -> None:
 async def test_temperature_spreads_choices() -> None:
     idx = FakeIndex({"b": 2})
     cold = _router(index=idx)
-    hot = _router(index=idx, temperature=5.0)
+    hot = _router(index=idx, router_temperature=5.0)
     workers = [_w("a"), _w("b"), _w("c")]
     cold_picks = Counter(
         [(await cold.choose("m", workers, PromptMemo(PROMPT))).worker_id for _ in range(100)]
@@ -194,7 +195,7 @@ async def test_busy_workers_are_skipped_and_all_busy_raises() -> None:
 
 async def test_index_outage_falls_back_to_load_and_recovers() -> None:
     idx = FakeIndex({"b": 9})
-    r = Router(RouterConfig(), FrontendMetrics(), idx, random.Random(0), index_recovery_s=60.0)  # type: ignore[arg-type]
+    r = Router(RouterSettings(), FrontendMetrics(), idx, random.Random(0), index_recovery_s=60.0)  # type: ignore[arg-type]
     idx.fail = True
     workers = [_w("a"), _w("b")]
     r.started(await r.choose("m", workers, PromptMemo(PROMPT)))  # no overlap known: any worker
@@ -213,7 +214,7 @@ async def test_index_outage_falls_back_to_load_and_recovers() -> None:
 
 async def test_index_counts_as_back_once_lookups_stop_failing() -> None:
     idx = FakeIndex({"b": 9})
-    r = Router(RouterConfig(), FrontendMetrics(), idx, random.Random(0), index_recovery_s=0.0)  # type: ignore[arg-type]
+    r = Router(RouterSettings(), FrontendMetrics(), idx, random.Random(0), index_recovery_s=0.0)  # type: ignore[arg-type]
     workers = [_w("a"), _w("b")]
     idx.fail = True
     await r.choose("m", workers, PromptMemo(PROMPT))

@@ -1,4 +1,4 @@
-"""Wire types: OpenAI requests and responses, Kafka messages, settings, names."""
+"""Wire types: OpenAI requests and responses, Kafka messages, names."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from schemas.openai import (
     completion_request_decoder,
     json_encoder,
 )
-from schemas.settings import FrontendSettings, WorkerSettings, build_parser, from_namespace, load, to_argv
 from server.errors import from_validation_error
 
 
@@ -102,15 +101,3 @@ def test_topic_names_are_kafka_safe() -> None:
     assert request_topic("w 1") == "ferry.requests.w-1"
     assert reply_topic("fe") == "ferry.replies.fe"
     assert pool_topic("a/b") == "ferry.pool.a-b"
-
-
-def test_settings_from_flags_env_and_defaults() -> None:
-    env = {"FERRY_PORT": "9001", "FERRY_LOG_PROMPTS": "true", "FERRY_KAFKA": "k:1"}
-    ns = build_parser(FrontendSettings).parse_args(["--kafka", "k:2"])
-    s = from_namespace(FrontendSettings, ns, env)
-    assert (s.port, s.log_prompts, s.kafka) == (9001, True, "k:2")  # flag beats variable
-    with pytest.raises(SystemExit):
-        from_namespace(FrontendSettings, build_parser(FrontendSettings).parse_args([]),
-                       {"FERRY_ROUTER_POLICY": "fastest"})
-    w = load(WorkerSettings, ["--worker-id", "w7", "--speedup", "3"])
-    assert load(WorkerSettings, to_argv(w)) == w

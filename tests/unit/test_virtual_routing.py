@@ -51,8 +51,8 @@ def test_waiting_on_what_never_comes_is_an_error_not_a_hang() -> None:
 def test_system_names_carry_router_overrides() -> None:
     assert router_config("ferry kv overlap_weight=2 inflight_overlap=false").overlap_weight == 2.0
     assert router_config("ferry kv overlap_weight=2 inflight_overlap=false").inflight_overlap is False
-    assert router_config("ferry round_robin").policy == "round_robin"
-    with pytest.raises(ValueError, match="not a RouterConfig"):
+    assert router_config("ferry round_robin").router_policy == "round_robin"
+    with pytest.raises(ValueError, match="not a RouterSettings"):
         router_config("ferry kv overlap=2")
     with pytest.raises(ValueError, match="unknown system"):
         router_config("ferry nearest")

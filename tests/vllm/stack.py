@@ -18,10 +18,10 @@ import psutil
 import redis.asyncio as aioredis
 
 from kvstore.registry import Registry
+from launch.services import Child
 from schemas.names import RedisKeys
 from schemas.status import WorkerStatus
 from server.app import Frontend
-from server.services import Child
 from tests.harness import Harness
 
 HEARTBEAT_S = 0.5
@@ -69,7 +69,8 @@ class VllmStack:
             [
                 sys.executable,
                 "-m",
-                "workers",
+                "launch",
+                "worker",
                 "--engine",
                 "vllm",
                 "--worker-id",

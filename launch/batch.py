@@ -186,21 +186,28 @@ def parser() -> argparse.ArgumentParser:
     """Flags of every `ferry batch` command."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", default=os.environ.get("FERRY_URL", "http://127.0.0.1:8000"),
-                        help="the frontend (FERRY_URL)")  # fmt: skip
+                        help="the frontend (default: %(default)s; env FERRY_URL)")  # fmt: skip
+    # The help names the variable, never its value: --help must not print a key.
     common.add_argument("--api-key", default=os.environ.get("FERRY_API_KEY", ""),
-                        help="API key when the frontend requires one (FERRY_API_KEY)")  # fmt: skip
-    common.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP request")
+                        help="API key when the frontend requires one (default: none; env FERRY_API_KEY)")  # fmt: skip
+    common.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds per HTTP request (default: %(default)s)"
+    )
     p = argparse.ArgumentParser(prog="ferry batch", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("submit", parents=[common], help="upload a JSONL file and start a batch")
     s.add_argument("file")
     s.add_argument("--endpoint", choices=["/v1/chat/completions", "/v1/completions"],
                    help="default: the url of the file's first line")  # fmt: skip
-    s.add_argument("--window", default="24h", help="completion window (one the frontend allows)")
+    s.add_argument(
+        "--window", default="24h", help="completion window, one the frontend allows (default: %(default)s)"
+    )
     s.add_argument("--metadata", action="append", metavar="KEY=VALUE")
     s.add_argument("--wait", action="store_true", help="follow the batch to its end with a progress bar")
     s.add_argument("-o", "--output", help="with --wait: write the output file here")
-    s.add_argument("--poll-s", type=float, default=0.5)
+    s.add_argument(
+        "--poll-s", type=float, default=0.5, help="with --wait: seconds between polls (default: %(default)s)"
+    )
     s.set_defaults(fn=submit)
     st = sub.add_parser("status", parents=[common], help="show a batch")
     st.add_argument("id")
@@ -215,7 +222,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("id")
     c.set_defaults(fn=cancel)
     ls = sub.add_parser("list", parents=[common], help="the newest batches")
-    ls.add_argument("--limit", type=int, default=20)
+    ls.add_argument("--limit", type=int, default=20, help="how many (default: %(default)s)")
     ls.set_defaults(fn=list_batches)
     return p
 

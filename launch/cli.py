@@ -1,9 +1,8 @@
-"""The `ferry` command: up, frontend, worker, model prepare."""
+"""The `ferry` command: up, frontend, worker, batch, model prepare."""
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
@@ -31,25 +30,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd == "up":
         import uvloop
 
-        from schemas.settings import StackSettings, load
-        from server.stack import run_stack
+        from launch.stack import load_stack, run_stack
 
-        settings = load(StackSettings, rest, prog="ferry up")
-        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return uvloop.run(run_stack(settings))
+        stack = load_stack(rest)
+        logging.basicConfig(
+            level=stack.frontend.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        return uvloop.run(run_stack(stack))
     if cmd == "frontend":
-        from server.frontend_main import main as frontend_main
+        from launch.frontend import main as frontend_main
 
         return frontend_main(rest)
     if cmd == "worker":
-        # The frontend package never imports the worker's; a worker is its own process.
-        os.execv(sys.executable, [sys.executable, "-m", "workers", *rest])
+        from launch.worker import main as worker_main
+
+        return worker_main(rest)
     if cmd == "batch":
-        from server.batch.cli import main as batch_main
+        from launch.batch import main as batch_main
 
         return batch_main(rest)
     if cmd == "model" and rest[:1] == ["prepare"]:
-        from server.model_prepare import main as prepare_main
+        from launch.model_prepare import main as prepare_main
 
         return prepare_main(rest[1:])
     print(f"ferry: unknown command {' '.join(args[:2])!r}\n\n{USAGE}", file=sys.stderr)

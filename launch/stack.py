@@ -2,49 +2,88 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import signal
 import sys
+from collections.abc import Sequence
 
-from schemas.settings import FrontendSettings, StackSettings, load, to_argv
-from server.services import Child, free_port, start_broker, start_redis
+from launch.flags import EPILOG, add_flags, from_namespace, given, to_argv
+from launch.services import Child, free_port, start_broker, start_redis
+from schemas.settings import FrontendSettings, StackSettings, WorkerSettings
 
 log = logging.getLogger("ferry.stack")
 
-
-# Stack settings each child takes under the same flag, passed through as they are.
-_SHARED = ("redis_prefix", "model_path", "served_model_name", "heartbeat_interval_s", "log_level")
-_WORKER = ("engine", "speedup", "block_size", "num_blocks", "max_model_len")
-_FRONTEND = (
-    "host", "router_policy", "kv_events", "inflight_overlap", "decode_load", "overlap_weight", "router_temperature",
-    "migration_limit",
-)
+# The launcher names each child itself, so these are not flags of `ferry up`.
+PER_CHILD = ("frontend_id", "worker_id")
+# Set on each child from what the launcher started or chose.
+_CHOSEN = ("kafka", "redis", "port")
 
 
-def _worker_argv(s: StackSettings, kafka: str, redis: str, index: int) -> list[str]:
+@dataclasses.dataclass
+class Stack:
+    """`ferry up`'s command line: its own settings, each child's, and the flags given for each child."""
+
+    settings: StackSettings
+    frontend: FrontendSettings
+    worker: WorkerSettings
+    frontend_flags: list[str]
+    worker_flags: list[str]
+
+
+def stack_parser() -> argparse.ArgumentParser:
+    """`ferry up`'s flags: its own, then every frontend and worker flag but the per-child ids."""
+    parser = argparse.ArgumentParser(
+        prog="ferry up",
+        usage="%(prog)s [flags]",
+        description="The whole system on one machine: an embedded Kafka broker and Redis (unless --kafka / "
+        "--redis name running ones), N workers and a frontend. Takes every flag of `ferry frontend` and "
+        "`ferry worker` but their ids, and passes each child the ones it takes.",
+        epilog=EPILOG,
+    )
+    taken = set(PER_CHILD)
+    for cls in (StackSettings, FrontendSettings, WorkerSettings):
+        add_flags(parser, cls, taken)
+    return parser
+
+
+def load_stack(argv: Sequence[str] | None = None) -> Stack:
+    """Parse `ferry up`'s flags and FERRY_* variables."""
+    ns = stack_parser().parse_args(argv)
+    frontend, worker = from_namespace(FrontendSettings, ns), from_namespace(WorkerSettings, ns)
+    # Only what was given as a flag is passed on: a child reads the same variables and defaults itself,
+    # and a key set through FERRY_API_KEYS stays out of `ps`.
+    passed = given(ns) - set(_CHOSEN)
+    return Stack(from_namespace(StackSettings, ns), frontend, worker, to_argv(frontend, only=passed),
+                 to_argv(worker, only=passed))  # fmt: skip
+
+
+def _worker_argv(stack: Stack, kafka: str, redis: str, index: int) -> list[str]:
     return [
-        sys.executable, "-m", "workers",
+        sys.executable, "-m", "launch", "worker",
         "--worker-id", f"worker-{index}", "--kafka", kafka, "--redis", redis,
-        *to_argv(s, only=_SHARED + _WORKER),
+        *stack.worker_flags,
     ]  # fmt: skip
 
 
-def _frontend_argv(s: StackSettings, kafka: str, redis: str, port: int) -> list[str]:
+def _frontend_argv(stack: Stack, kafka: str, redis: str, port: int) -> list[str]:
     return [
-        sys.executable, "-m", "server", "frontend",
+        sys.executable, "-m", "launch", "frontend",
         "--port", str(port),
         # A fresh replies topic per run: Tansu keeps every record and slows as a topic grows.
         "--frontend-id", f"frontend-{secrets.token_hex(3)}",
         "--kafka", kafka, "--redis", redis,
-        *to_argv(s, only=_SHARED + _FRONTEND),
+        *stack.frontend_flags,
     ]  # fmt: skip
 
 
-async def _start(s: StackSettings, services: list[Child], workers: list[Child], fronts: list[Child]) -> str:
+async def _start(stack: Stack, services: list[Child], workers: list[Child], fronts: list[Child]) -> str:
     """Start services, workers and the frontend (recording each child as it starts); return the URL."""
+    s, fe = stack.settings, stack.frontend
     kafka, redis = s.kafka, s.redis
     if not kafka:
         child, kafka = await start_broker()
@@ -55,25 +94,26 @@ async def _start(s: StackSettings, services: list[Child], workers: list[Child], 
         services.append(child)
         log.info("embedded Redis on %s", redis)
     for i in range(s.workers):
-        workers.append(await Child.spawn(f"worker-{i}", _worker_argv(s, kafka, redis, i)))
+        workers.append(await Child.spawn(f"worker-{i}", _worker_argv(stack, kafka, redis, i)))
     await asyncio.gather(
         *(
             w.wait_for_line(lambda line: line.startswith("ferry-worker-ready"), s.ready_timeout_s)
             for w in workers
         )
     )
-    port = s.port or free_port(s.host)
-    fronts.append(await Child.spawn("frontend", _frontend_argv(s, kafka, redis, port)))
+    port = fe.port or free_port(fe.host)
+    fronts.append(await Child.spawn("frontend", _frontend_argv(stack, kafka, redis, port)))
     await fronts[0].wait_for_line(lambda line: line.startswith("ferry-frontend-ready"), s.ready_timeout_s)
-    url = f"http://{s.host}:{port}"
+    url = f"http://{fe.host}:{port}"
     # The frontend inherits FERRY_API_KEYS / FERRY_ADMIN_KEY from this process's environment (variables,
-    # not flags, so keys never show in `ps`); the example names the header without printing a key.
-    auth = "-H 'Authorization: Bearer YOUR_KEY' " if load(FrontendSettings, []).api_keys else ""
+    # not flags, so keys never show in `ps`) unless they were flags here; the example names the header
+    # without printing a key.
+    auth = "-H 'Authorization: Bearer YOUR_KEY' " if fe.api_keys else ""
     print(
-        f"\nFerry is up: {url}  (model {s.served_model_name}, {s.workers} {s.engine} worker(s))\n"
+        f"\nFerry is up: {url}  (model {fe.served_model_name}, {s.workers} {stack.worker.engine} worker(s))\n"
         f"Kafka {kafka}  Redis {redis}  metrics {url}/metrics\n\n"
         f"  curl -N {url}/v1/chat/completions {auth}-H 'Content-Type: application/json' \\\n"
-        f'    -d \'{{"model": "{s.served_model_name}", "stream": true, '
+        f'    -d \'{{"model": "{fe.served_model_name}", "stream": true, '
         f'"messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}\'\n\n'
         f"Press Ctrl-C to stop.\n"
         f"ferry-ready {url}",
@@ -82,7 +122,7 @@ async def _start(s: StackSettings, services: list[Child], workers: list[Child], 
     return url
 
 
-async def run_stack(s: StackSettings) -> int:
+async def run_stack(stack: Stack) -> int:
     """Start everything, print how to use it, and stop everything on SIGINT/SIGTERM or a crash."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -92,7 +132,7 @@ async def run_stack(s: StackSettings) -> int:
     workers: list[Child] = []
     fronts: list[Child] = []
     stopping = asyncio.create_task(stop.wait())
-    starting = asyncio.create_task(_start(s, services, workers, fronts))
+    starting = asyncio.create_task(_start(stack, services, workers, fronts))
     code = 0
     try:
         await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)

@@ -12,7 +12,8 @@ from typing import Any
 
 import uvicorn
 
-from schemas.settings import FrontendSettings, load
+from launch.flags import load
+from schemas.settings import FrontendSettings
 from server.app import create_app
 
 READY_MARK = "ferry-frontend-ready"

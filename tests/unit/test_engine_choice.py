@@ -1,0 +1,28 @@
+"""A worker's engine is built from its settings group (workers/engine_choice.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from schemas.settings import SimSettings, WorkerSettings
+from workers.engine_choice import build_engine
+from workers.model_dir import load_model_info
+from workers.sim import SimEngine
+
+
+def test_sim_engine_takes_every_sim_setting(model_path: Path) -> None:
+    settings = WorkerSettings(
+        model_path=str(model_path), block_size=16, num_blocks=512, max_num_seqs=3, max_num_batched_tokens=99,
+        speedup=2.5, max_model_len=1000,
+    )  # fmt: skip
+    engine = build_engine(settings)
+    assert isinstance(engine, SimEngine)
+    for f in dataclasses.fields(SimSettings):
+        assert getattr(engine.config, f.name) == getattr(settings, f.name), f.name
+
+
+def test_max_model_len_zero_is_the_models_own(model_path: Path) -> None:
+    engine = build_engine(WorkerSettings(model_path=str(model_path)))
+    assert isinstance(engine, SimEngine)
+    assert engine.config.max_model_len == load_model_info(str(model_path)).max_position_embeddings

@@ -1,0 +1,69 @@
+"""Settings from flags, FERRY_* variables and defaults (launch/flags.py), and back to flags; `ferry up`'s."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from launch.flags import build_parser, from_namespace, load, to_argv
+from launch.stack import PER_CHILD, load_stack, stack_parser
+from schemas.settings import FrontendSettings, StackSettings, WorkerSettings
+
+
+def test_settings_from_flags_env_and_defaults() -> None:
+    env = {"FERRY_PORT": "9001", "FERRY_LOG_PROMPTS": "true", "FERRY_KAFKA": "k:1"}
+    ns = build_parser(FrontendSettings).parse_args(["--kafka", "k:2"])
+    s = from_namespace(FrontendSettings, ns, env)
+    assert (s.port, s.log_prompts, s.kafka) == (9001, True, "k:2")  # flag beats variable
+    with pytest.raises(SystemExit):
+        from_namespace(
+            FrontendSettings,
+            build_parser(FrontendSettings).parse_args([]),
+            {"FERRY_ROUTER_POLICY": "fastest"},
+        )
+    w = load(WorkerSettings, ["--worker-id", "w7", "--speedup", "3"])
+    assert load(WorkerSettings, to_argv(w)) == w
+
+
+def test_ferry_up_takes_every_frontend_and_worker_flag_but_the_ids() -> None:
+    own = {f.name for f in dataclasses.fields(StackSettings)}
+    children = {f.name for cls in (FrontendSettings, WorkerSettings) for f in dataclasses.fields(cls)}
+    dests = {a.dest for a in stack_parser()._actions if a.dest != "help"}
+    assert dests == (own | children) - set(PER_CHILD)
+
+
+def test_ferry_up_passes_each_child_the_flags_given_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {"FERRY_API_KEYS": "secret", "FERRY_KAFKA": "", "FERRY_BLOCK_SIZE": "32"}.items():
+        monkeypatch.setenv(name, value)
+    stack = load_stack(["--workers", "3", "--speedup", "20", "--router-policy", "round_robin", "--no-kv-events",
+                        "--heartbeat-interval-s", "0.5", "--port", "0", "--redis", "r:1"])  # fmt: skip
+    assert (stack.settings.workers, stack.settings.kafka, stack.settings.redis) == (3, "", "r:1")
+    assert stack.frontend.api_keys == "secret" and stack.worker.block_size == 32  # read from the variables
+    # Variables reach the children through their environment, never as flags (keys stay out of `ps`);
+    # the launcher sets --port, --kafka and --redis itself.
+    assert stack.frontend_flags == [
+        "--router-policy",
+        "round_robin",
+        "--no-kv-events",
+        "--heartbeat-interval-s",
+        "0.5",
+    ]
+    assert stack.worker_flags == ["--speedup", "20.0", "--heartbeat-interval-s", "0.5"]
+    assert load(WorkerSettings, stack.worker_flags).speedup == 20.0
+
+
+def test_ferry_up_has_no_per_child_id() -> None:
+    with pytest.raises(SystemExit):
+        load_stack(["--worker-id", "w1"])
+
+
+@pytest.mark.parametrize(
+    "parser", [build_parser(FrontendSettings), build_parser(WorkerSettings), stack_parser()]
+)
+def test_help_shows_each_flags_default_and_variable(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        if action.dest != "help":
+            assert action.help is not None and "(default: " in action.help, action.dest
+            assert f"env FERRY_{action.dest.upper()})" in action.help, action.dest

@@ -1,0 +1,29 @@
+"""Which engine a worker runs: the one its settings name, built from that engine's settings group.
+
+SimConfig and VLLMConfig take the fields of SimSettings and VLLMSettings under the same names, so a setting
+added to a group reaches its engine without a copy here (and fails at start-up if the engine lacks it).
+"""
+
+from __future__ import annotations
+
+from schemas.settings import SimSettings, VLLMSettings, WorkerSettings, values_of
+from workers.engine import Engine
+from workers.model_dir import load_model_info
+
+
+def build_engine(settings: WorkerSettings) -> Engine:
+    """The engine `settings.engine` names; a max_model_len of 0 becomes the engine's own."""
+    if settings.engine == "vllm":
+        # Imported only here: vLLM is an optional install and takes seconds to import.
+        from workers.vllm_engine import VLLMConfig, VLLMEngine
+
+        max_len = settings.max_model_len or VLLMConfig().max_model_len
+        vllm_config = VLLMConfig(**values_of(settings, VLLMSettings) | {"max_model_len": max_len})
+        return VLLMEngine(settings.served_model_name, settings.model_path, vllm_config)
+
+    from workers.sim import SimConfig, SimEngine
+
+    info = load_model_info(settings.model_path)
+    max_len = settings.max_model_len or info.max_position_embeddings
+    config = SimConfig(**values_of(settings, SimSettings) | {"max_model_len": max_len})
+    return SimEngine(settings.served_model_name, info.tokenizer, config, eos_token_id=info.eos_token_id)
