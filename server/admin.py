@@ -21,7 +21,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvstore.kafka_log import FetchWaitAdjuster, LogResetWatch, stop_consumer
+from bus.consumer import stop_consumer
+from bus.log_watch import FetchWaitAdjuster, LogResetWatch
 from schemas.admin import (
     LoadLoraAdapterRequest,
     LoraAdapter,

@@ -17,7 +17,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError, OffsetOutOfRangeError
 
-from kvstore.kafka_log import stop_consumer
+from bus.consumer import stop_consumer
 from schemas.kafka import GenerateRequest, request_decoder
 from schemas.names import request_topic
 

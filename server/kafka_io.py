@@ -13,14 +13,10 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from kvstore.kafka_log import (
-    FetchWaitAdjuster,
-    LogResetWatch,
-    delete_topics,
-    ensure_topics,
-    send_and_wait,
-    stop_consumer,
-)
+from bus.consumer import stop_consumer
+from bus.log_watch import FetchWaitAdjuster, LogResetWatch
+from bus.produce import send_and_wait
+from bus.topics import delete_topics, ensure_topics
 from schemas.kafka import Cancel, Chunk, ErrorInfo, GenerateRequest, reply_decoder, request_encoder
 from schemas.names import request_topic
 from server.errors import APIError

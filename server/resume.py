@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from kvstore.kafka_log import FetchWaitAdjuster, stop_consumer
+from bus.consumer import stop_consumer
+from bus.log_watch import FetchWaitAdjuster
 from schemas.kafka import Chunk, ErrorInfo, reply_decoder
 from schemas.names import RedisKeys
 from schemas.streams import StreamRecord, stream_record_decoder, stream_record_encoder

@@ -17,8 +17,10 @@ from collections.abc import Callable
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from bus.commits import commit_within, rewind_to_committed
+from bus.consumer import stop_consumer
+from bus.log_watch import FetchWaitAdjuster
 from kvstore.batch_store import BatchStore
-from kvstore.kafka_log import FetchWaitAdjuster, commit_within, rewind_to_committed, stop_consumer
 from schemas.batch import kafka_item_decoder
 from schemas.names import batch_submit_group, batch_submit_topic, pool_topic
 from schemas.status import WorkerStatus

@@ -20,8 +20,10 @@ from collections.abc import Callable
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
+from bus.commits import commit_within
+from bus.consumer import stop_consumer
+from bus.log_watch import FetchWaitAdjuster
 from kvstore.batch_store import BatchStore
-from kvstore.kafka_log import FetchWaitAdjuster, commit_within, stop_consumer
 from schemas.batch import ItemMeta
 from schemas.kafka import Chunk, reply_decoder
 from schemas.names import batch_results_group, batch_results_topic
