@@ -16,10 +16,8 @@ import time
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from bus.consumer import stop_consumer
-from bus.log_watch import FetchWaitAdjuster
+from bus.reader import At, Batch, Hooks, Options, Poll, Reader
 from schemas.kafka import Chunk, ErrorInfo, reply_decoder
 from schemas.names import RedisKeys
 from schemas.streams import StreamRecord, stream_record_decoder, stream_record_encoder
@@ -113,37 +111,35 @@ class Replay:
         self._keepalive_s = keepalive_s
         self._idle_timeout_s = idle_timeout_s
         self._refresh_s = grace_s / 3
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=fetch_wait_ms
+        # A resumed reader starts behind the log's end by definition: the Reader's fetch-wait stretch matters.
+        self._reader = Reader(
+            f"resume {request_id}",
+            bootstrap,
+            reply_decoder,
+            Options(fetch_wait_ms=fetch_wait_ms, poll=Poll(1000, 2048)),
+            Hooks(self._handle, failed=self._failed),
         )
-        self._started = False
 
     async def start(self) -> None:
-        """Position at the request's first chunk."""
+        """Position at the request's first chunk and start reading."""
         await self._store.attach(self.id)
-        await self._consumer.start()
-        self._started = True
-        tp = TopicPartition(self.record.topic, 0)
-        self._consumer.assign([tp])
-        self._consumer.seek(tp, self.record.offset)
+        await self._reader.start(At(self.record.topic, self.record.offset))
+
+    async def _handle(self, batch: Batch[Chunk]) -> None:
+        for _record, chunk in batch.messages:
+            self.stream.put(chunk)
+
+    def _failed(self, exc: BaseException) -> None:
+        error = ErrorInfo("frontend_unavailable", f"resume reader failed: {exc!r}", retriable=True)
+        for seq in self.stream.unfinished():
+            self.stream.fail(seq.request_id, error)
 
     async def chunks(self) -> AsyncIterator[list[tuple[Sequence, Chunk]]]:
         """Accepted chunks in topic order; [] when `keepalive_s` passed without any."""
         idle_since = attached_at = pinged = time.monotonic()
-        wait_ms = max(1, int(min(self._keepalive_s, self._refresh_s) * 1000))
-        # A resumed reader starts behind the log's end by definition.
-        stretch = FetchWaitAdjuster(self._consumer, f"resume {self.id}")
+        wait_s = max(0.001, min(self._keepalive_s, self._refresh_s))
         while not self.stream.drained:
-            batches = await self._consumer.getmany(timeout_ms=wait_ms, max_records=2048)
-            await stretch.after_poll(bool(batches))
-            for records in batches.values():
-                for record in records:
-                    try:
-                        chunk = reply_decoder.decode(record.value)
-                    except Exception:
-                        continue
-                    self.stream.put(chunk)
-            batch = await self.stream.get(0)
+            batch = await self.stream.get(wait_s)
             now = time.monotonic()
             if now - attached_at >= self._refresh_s:
                 attached_at = now
@@ -166,6 +162,4 @@ class Replay:
 
     async def close(self) -> None:
         """Stop reading."""
-        if self._started:
-            self._started = False
-            await asyncio.shield(stop_consumer(self._consumer))
+        await asyncio.shield(self._reader.stop())
