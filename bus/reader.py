@@ -111,7 +111,7 @@ class Options:
     # Give each member a range of adjacent partitions (aiokafka's default deals them out round-robin).
     range_assignor: bool = False
 
-    def consumer(self, bootstrap: str) -> AIOKafkaConsumer:
+    def make_consumer(self, bootstrap: str) -> AIOKafkaConsumer:
         """A consumer with these settings (offsets are only ever committed by hand)."""
         extra: dict[str, Any] = {}
         if self.client_id is not None:
@@ -200,7 +200,7 @@ class Reader(Generic[T]):
         """Start the consumer and position it, without reading yet (`run` starts the loop)."""
         if isinstance(at, Tail):
             await ensure_topics(self._bootstrap, {at.topic: 1})
-        consumer = self._options.consumer(self._bootstrap)
+        consumer = self._options.make_consumer(self._bootstrap)
         await consumer.start()
         self._consumer = consumer
         match at:
