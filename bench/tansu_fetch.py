@@ -14,7 +14,7 @@ import asyncio
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from bench.stack import process_cpu_seconds
-from kvstore.kafka_log import ensure_topics
+from bus.topics import ensure_topics
 from launch.services import Child, start_broker
 
 

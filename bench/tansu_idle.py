@@ -12,7 +12,7 @@ import time
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from kvstore.kafka_log import ensure_topics
+from bus.topics import ensure_topics
 from launch.services import Child, start_broker
 
 

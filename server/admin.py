@@ -15,13 +15,13 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvstore.kafka_log import FetchWaitAdjuster, LogResetWatch, stop_consumer
+from bus.reader import Batch, Hooks, Options, Poll, Reader, Tail
 from schemas.admin import (
     LoadLoraAdapterRequest,
     LoraAdapter,
@@ -35,7 +35,6 @@ from schemas.names import request_topic
 from schemas.openai import json_encoder
 from schemas.status import WorkerStatus
 from server.errors import APIError, from_validation_error
-from server.kafka_io import open_tail
 from server.pool import WorkerPool
 
 if TYPE_CHECKING:
@@ -58,25 +57,23 @@ class AckInbox:
 
     def __init__(self, bootstrap: str, topic: str, fetch_wait_ms: int = 100) -> None:
         self.topic = topic
-        self._bootstrap = bootstrap
-        self._fetch_wait_ms = fetch_wait_ms
         self._waiting: dict[str, asyncio.Queue[LoraAck]] = {}
-        self._consumer: AIOKafkaConsumer | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._reader = Reader(
+            "admin acks",
+            bootstrap,
+            admin_reply_decoder,
+            Options(fetch_wait_ms=fetch_wait_ms, poll=Poll(1000, 256), watch_reset=True),
+            Hooks(self._handle, failed=self._failed),
+        )
         self.failed: BaseException | None = None
 
     async def start(self) -> None:
         """Create the topic and position at its end, so only answers to this process's operations count."""
-        self._consumer, _ = await open_tail(self._bootstrap, self.topic, self._fetch_wait_ms)
-        self._task = asyncio.create_task(self._run(), name="admin-acks")
+        await self._reader.start(Tail(self.topic))
 
     async def stop(self) -> None:
         """Stop reading."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        if self._consumer is not None:
-            await stop_consumer(self._consumer)
+        await self._reader.stop()
 
     def expect(self, op_id: str) -> asyncio.Queue[LoraAck]:
         """A mailbox for the acks of operation `op_id`; release it with `forget`."""
@@ -93,33 +90,15 @@ class AckInbox:
         """Drop the mailbox of `op_id` (late acks are then ignored)."""
         self._waiting.pop(op_id, None)
 
-    async def _run(self) -> None:
-        assert self._consumer is not None
-        watch = LogResetWatch(self._consumer, "admin acks")
-        stretch = FetchWaitAdjuster(self._consumer, "admin acks")
-        try:
-            while True:
-                batches = await self._consumer.getmany(timeout_ms=1000, max_records=256)
-                await stretch.after_poll(bool(batches))
-                if not batches:
-                    await watch.check()
-                for records in batches.values():
-                    for record in records:
-                        try:
-                            ack = admin_reply_decoder.decode(record.value)
-                        except Exception as exc:
-                            log.error("dropping an undecodable admin reply: %r", exc)
-                            continue
-                        box = self._waiting.get(ack.op_id)
-                        if box is not None:
-                            box.put_nowait(ack)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            # Waiting operations time out on their own; new ones are refused from now on.
-            log.exception("the admin reply consumer died")
-            self.failed = exc
-            raise
+    async def _handle(self, batch: Batch[LoraAck]) -> None:
+        for _record, ack in batch.messages:
+            box = self._waiting.get(ack.op_id)
+            if box is not None:
+                box.put_nowait(ack)
+
+    def _failed(self, exc: BaseException) -> None:
+        # Waiting operations time out on their own; new ones are refused from now on.
+        self.failed = exc
 
 
 class LoraAdmin:

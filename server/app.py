@@ -21,10 +21,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from kvstore.kafka_log import refresh_metadata
+from bus.produce import refresh_metadata
 from kvstore.kv_index import KVIndex
 from kvstore.load import LoadBoard
 from kvstore.registry import Registry
+from kvstore.resume_store import ResumeStore
 from schemas.kafka import ErrorInfo
 from schemas.names import RedisKeys, admin_topic, reply_topic
 from schemas.openai import (
@@ -60,7 +61,7 @@ from server.responses import (
     completion_full,
     completion_stream,
 )
-from server.resume import Replay, ResumeStore, parse_last_event_id
+from server.resume import Replay, parse_last_event_id
 from server.router import Router
 from server.sse import SSEResponse
 

@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kvstore.resume_store import ResumeStore
 from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, GenerateRequest
 from server.delivery import RequestLog
 from server.errors import APIError
@@ -18,7 +19,6 @@ from server.kafka_io import Dispatcher, ReplyDemux
 from server.metrics import FrontendMetrics
 from server.pool import WorkerPool
 from server.preprocess import Prepared
-from server.resume import ResumeStore
 from server.router import AllBusy, Decision, PromptMemo, Router
 from server.streams import ClientStream, Sequence, StreamSpec, marker
 

@@ -10,17 +10,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from kvstore.kafka_log import (
-    FetchWaitAdjuster,
-    LogResetWatch,
-    delete_topics,
-    ensure_topics,
-    send_and_wait,
-    stop_consumer,
-)
+from bus.produce import send_and_wait
+from bus.reader import Batch, Hooks, Options, Poll, Reader, Tail
+from bus.topics import delete_topics, ensure_topics
 from schemas.kafka import Cancel, Chunk, ErrorInfo, GenerateRequest, reply_decoder, request_encoder
 from schemas.names import request_topic
 from server.errors import APIError
@@ -31,23 +26,6 @@ log = logging.getLogger("ferry.frontend")
 
 # How long a replies topic that could not roll (broker away) is used before the roll is tried again.
 ROLL_RETRY_S = 1.0
-
-
-async def open_tail(bootstrap: str, topic: str, fetch_wait_ms: int) -> tuple[AIOKafkaConsumer, int]:
-    """A started consumer of partition 0 of `topic` (created if missing), positioned at its end.
-
-    Returns the consumer and the end offset, resolved now: a lazy seek could skip records written
-    between this call and the first fetch (replies to the first requests, acks of the first operation).
-    """
-    await ensure_topics(bootstrap, {topic: 1})
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=fetch_wait_ms
-    )
-    await consumer.start()
-    tp = TopicPartition(topic, 0)
-    consumer.assign([tp])
-    await consumer.seek_to_end(tp)
-    return consumer, await consumer.position(tp)
 
 
 class Dispatcher:
@@ -163,7 +141,6 @@ class ReplyDemux:
         metrics: FrontendMetrics | None = None,
     ) -> None:
         self._base = topic
-        self._fetch_wait_ms = fetch_wait_ms
         self._bootstrap = bootstrap
         self._roll_records = roll_records
         self._retain_s = retain_s
@@ -176,8 +153,19 @@ class ReplyDemux:
         self._roll_after = 0.0  # monotonic time before which no roll is tried (after a failed one)
         self._reassign = False
         self._doomed: list[tuple[float, str]] = []  # (delete at, topic) of retired replies topics
-        self._consumer: AIOKafkaConsumer | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._reader = Reader(
+            "replies",
+            bootstrap,
+            reply_decoder,
+            Options(fetch_wait_ms=fetch_wait_ms, poll=Poll(1000, 2048), watch_reset=True),
+            Hooks(
+                self._handle,
+                failed=self._fail_all,
+                reset=self._log_lost,
+                before_poll=self._reassign_if_wanted,
+                after_poll=self._after_poll,
+            ),
+        )
         self.failed: BaseException | None = None
         # Called when the broker lost this topic's log (restarted empty): chunks and requests in transit
         # went with it, so every open sequence must be sent again.
@@ -197,17 +185,14 @@ class ReplyDemux:
 
     async def start(self) -> None:
         """Create the topic and position at its end before any request can be sent."""
-        self._consumer, position = await open_tail(self._bootstrap, self._base, self._fetch_wait_ms)
+        await self._reader.open(Tail(self._base))
+        position = await self._reader.position(TopicPartition(self._base, 0))
         self._current = self._tails[self._base] = _Tail(self._base, position)
-        self._task = asyncio.create_task(self._run(), name="reply-demux")
+        self._reader.run()
 
     async def stop(self) -> None:
         """Stop reading."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        if self._consumer is not None:
-            await stop_consumer(self._consumer)
+        await self._reader.stop()
 
     def register(self, stream: ClientStream) -> tuple[str, int]:
         """Route chunks of every sequence of `stream` to it.
@@ -259,59 +244,47 @@ class ReplyDemux:
                 lost.append((rid, stream.on_lost is not None))
         return lost
 
-    async def _run(self) -> None:
-        assert self._consumer is not None
-        consumer = self._consumer
-        watch = LogResetWatch(consumer, "replies")
-        stretch = FetchWaitAdjuster(consumer, "replies")
-        try:
-            while True:
-                if self._reassign:
-                    self._reassign = False
-                    await self._assign()
-                batches = await consumer.getmany(timeout_ms=1000, max_records=2048)
-                await stretch.after_poll(bool(batches))
-                if not batches:
-                    rewound = await watch.check()
-                    for tp in rewound:
-                        if tp.topic in self._tails:
-                            self._tails[tp.topic].position = 0
-                    if rewound:
-                        self.reset_at = time.monotonic()
-                        if self.on_reset is not None:
-                            self.on_reset()
-                    if self._doomed:
-                        await self._delete_retired()
-                for tp, records in batches.items():
-                    tail = self._tails.get(tp.topic)
-                    for record in records:
-                        if tail is not None:
-                            tail.position = record.offset + 1
-                        try:
-                            chunk = reply_decoder.decode(record.value)
-                        except Exception as exc:
-                            log.error("dropping an undecodable reply: %r", exc)
-                            continue
-                        stream = self._by_request.get(chunk.request_id)
-                        if stream is not None:
-                            stream.put(chunk)
-                current = self._current
-                if (
-                    current is not None
-                    and 0 < self._roll_records <= current.position
-                    and time.monotonic() >= self._roll_after
-                ):
-                    await self._roll()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            # Nobody else would ever answer the waiting streams: fail them all, loudly.
-            log.exception("the reply consumer died")
-            self.failed = exc
-            error = ErrorInfo("frontend_unavailable", f"reply consumer failed: {exc!r}", retriable=True)
-            for rid, stream in list(self._by_request.items()):
-                stream.fail(rid, error)
-            raise
+    # ---- the reader's hooks ----------------------------------------------------------------------
+
+    async def _reassign_if_wanted(self) -> None:
+        if self._reassign:
+            self._reassign = False
+            await self._assign()
+
+    async def _handle(self, batch: Batch[Chunk]) -> None:
+        tail = self._tails.get(batch.tp.topic)
+        if tail is not None:
+            tail.position = batch.end
+        for _record, chunk in batch.messages:
+            stream = self._by_request.get(chunk.request_id)
+            if stream is not None:
+                stream.put(chunk)
+
+    async def _log_lost(self, rewound: list[TopicPartition]) -> None:
+        for tp in rewound:
+            if tp.topic in self._tails:
+                self._tails[tp.topic].position = 0
+        self.reset_at = time.monotonic()
+        if self.on_reset is not None:
+            self.on_reset()
+
+    async def _after_poll(self, got_records: bool) -> None:
+        if not got_records and self._doomed:
+            await self._delete_retired()
+        current = self._current
+        if (
+            current is not None
+            and 0 < self._roll_records <= current.position
+            and time.monotonic() >= self._roll_after
+        ):
+            await self._roll()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        # Nobody else would ever answer the waiting streams: fail them all.
+        self.failed = exc
+        error = ErrorInfo("frontend_unavailable", f"reply consumer failed: {exc!r}", retriable=True)
+        for rid, stream in list(self._by_request.items()):
+            stream.fail(rid, error)
 
     async def _roll(self) -> None:
         """Start a fresh replies topic for new requests; the old one is read while its requests are open."""
@@ -328,9 +301,8 @@ class ReplyDemux:
         self._rolls += 1
         new = self._tails[topic] = _Tail(topic, 0)
         await self._assign()
-        # The position is resolved now, before any request names the topic (as in open_tail).
-        assert self._consumer is not None
-        new.position = await self._consumer.position(TopicPartition(topic, 0))
+        # The position is resolved now, before any request names the topic (as for the first one).
+        new.position = await self._reader.position(TopicPartition(topic, 0))
         self._current = new
         if not old.streams:
             self._retire(old)
@@ -343,17 +315,8 @@ class ReplyDemux:
 
     async def _assign(self) -> None:
         """Read exactly the live tails, each from its own position (assign() forgets positions)."""
-        assert self._consumer is not None
-        consumer = self._consumer
-        # A copy: a stream may end during an await below and retire its tail (the next poll reassigns).
-        tails = list(self._tails.values())
-        consumer.assign([TopicPartition(t.topic, 0) for t in tails])
-        for tail in tails:
-            tp = TopicPartition(tail.topic, 0)
-            if tail.position > 0:
-                consumer.seek(tp, tail.position)
-            else:
-                await consumer.seek_to_beginning(tp)
+        # A copy: a stream may end during an await in there and retire its tail (the next poll reassigns).
+        await self._reader.assign({TopicPartition(t.topic, 0): t.position for t in self._tails.values()})
 
     async def _delete_retired(self) -> None:
         """Delete retired replies topics whose retention is over (best effort: Kafka may refuse)."""

@@ -1,4 +1,4 @@
-"""Resumable streams: where a request's chunks are (Redis), and reading them back from Kafka.
+"""Resumable streams: reading a request's chunks back from Kafka (where they are: kvstore/resume_store.py).
 
 A client that opted in (header `x-ferry-resumable: 1`) and lost its connection reconnects with
 `GET /v1/chat/completions/{id}/stream` (or `/v1/completions/{id}/stream`) and `Last-Event-ID`. Any
@@ -15,54 +15,15 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-import redis.asyncio as aioredis
-from aiokafka import AIOKafkaConsumer, TopicPartition
-
-from kvstore.kafka_log import FetchWaitAdjuster, stop_consumer
+from bus.reader import At, Batch, Hooks, Options, Poll, Reader
+from kvstore.resume_store import ResumeStore
 from schemas.kafka import Chunk, ErrorInfo, reply_decoder
-from schemas.names import RedisKeys
-from schemas.streams import StreamRecord, stream_record_decoder, stream_record_encoder
+from schemas.streams import StreamRecord
 from server.metrics import FrontendMetrics
 from server.router import Decision
 from server.streams import ClientStream, Sequence, StreamSpec
 
 log = logging.getLogger("ferry.frontend")
-
-
-class ResumeStore:
-    """StreamRecords in Redis, and the marks of attached resumed readers."""
-
-    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, ttl_s: float, grace_s: float) -> None:
-        self._redis = redis
-        self._keys = keys
-        self._ttl_ms = max(1, int(ttl_s * 1000))
-        self._grace_ms = max(1, int(grace_s * 1000))
-
-    async def save(self, request_id: str, record: StreamRecord) -> None:
-        """Remember where a request's chunks are, for `ttl_s`."""
-        await self._redis.set(
-            self._keys.stream(request_id), stream_record_encoder.encode(record), px=self._ttl_ms
-        )
-
-    async def load(self, request_id: str) -> StreamRecord | None:
-        """The record of a resumable request, or None if unknown or expired."""
-        raw = await self._redis.get(self._keys.stream(request_id))
-        if raw is None:
-            return None
-        return stream_record_decoder.decode(raw.encode() if isinstance(raw, str) else raw)
-
-    async def attach(self, request_id: str) -> None:
-        """Mark a reader attached for one grace period (refresh it more often than that)."""
-        await self._redis.set(self._keys.stream_reader(request_id), b"1", px=self._grace_ms)
-
-    async def attached(self, request_id: str) -> bool:
-        """True while some frontend has a resumed reader on the request."""
-        try:
-            return bool(await self._redis.exists(self._keys.stream_reader(request_id)))
-        except Exception as exc:
-            # Without Redis nobody can tell: keep the request running rather than cut off a reader.
-            log.warning("cannot tell whether %s has a reader (%r); assuming it does", request_id, exc)
-            return True
 
 
 def parse_last_event_id(value: str | None) -> int:
@@ -112,37 +73,35 @@ class Replay:
         self._keepalive_s = keepalive_s
         self._idle_timeout_s = idle_timeout_s
         self._refresh_s = grace_s / 3
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=fetch_wait_ms
+        # A resumed reader starts behind the log's end by definition: the Reader's fetch-wait stretch matters.
+        self._reader = Reader(
+            f"resume {request_id}",
+            bootstrap,
+            reply_decoder,
+            Options(fetch_wait_ms=fetch_wait_ms, poll=Poll(1000, 2048)),
+            Hooks(self._handle, failed=self._failed),
         )
-        self._started = False
 
     async def start(self) -> None:
-        """Position at the request's first chunk."""
+        """Position at the request's first chunk and start reading."""
         await self._store.attach(self.id)
-        await self._consumer.start()
-        self._started = True
-        tp = TopicPartition(self.record.topic, 0)
-        self._consumer.assign([tp])
-        self._consumer.seek(tp, self.record.offset)
+        await self._reader.start(At(self.record.topic, self.record.offset))
+
+    async def _handle(self, batch: Batch[Chunk]) -> None:
+        for _record, chunk in batch.messages:
+            self.stream.put(chunk)
+
+    def _failed(self, exc: BaseException) -> None:
+        error = ErrorInfo("frontend_unavailable", f"resume reader failed: {exc!r}", retriable=True)
+        for seq in self.stream.unfinished():
+            self.stream.fail(seq.request_id, error)
 
     async def chunks(self) -> AsyncIterator[list[tuple[Sequence, Chunk]]]:
         """Accepted chunks in topic order; [] when `keepalive_s` passed without any."""
         idle_since = attached_at = pinged = time.monotonic()
-        wait_ms = max(1, int(min(self._keepalive_s, self._refresh_s) * 1000))
-        # A resumed reader starts behind the log's end by definition.
-        stretch = FetchWaitAdjuster(self._consumer, f"resume {self.id}")
+        wait_s = max(0.001, min(self._keepalive_s, self._refresh_s))
         while not self.stream.drained:
-            batches = await self._consumer.getmany(timeout_ms=wait_ms, max_records=2048)
-            await stretch.after_poll(bool(batches))
-            for records in batches.values():
-                for record in records:
-                    try:
-                        chunk = reply_decoder.decode(record.value)
-                    except Exception:
-                        continue
-                    self.stream.put(chunk)
-            batch = await self.stream.get(0)
+            batch = await self.stream.get(wait_s)
             now = time.monotonic()
             if now - attached_at >= self._refresh_s:
                 attached_at = now
@@ -165,6 +124,4 @@ class Replay:
 
     async def close(self) -> None:
         """Stop reading."""
-        if self._started:
-            self._started = False
-            await asyncio.shield(stop_consumer(self._consumer))
+        await asyncio.shield(self._reader.stop())

@@ -29,8 +29,10 @@ from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import KafkaError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from bus.commits import commit_within
+from bus.consumer import stop_consumer
+from bus.log_watch import FetchWaitAdjuster
 from kvstore.batch_store import BatchStore
-from kvstore.kafka_log import FetchWaitAdjuster, commit_within, stop_consumer
 from schemas.kafka import Chunk, GenerateRequest, PoolItem, pool_decoder
 from schemas.names import pool_group, pool_topic
 from schemas.settings import WorkerSettings

@@ -16,15 +16,12 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
+from bus.commits import commit_within
+from bus.consumer import stop_consumer
+from bus.log_watch import FetchWaitAdjuster, LogResetWatch
+from bus.produce import refresh_metadata
+from bus.topics import ensure_topics
 from kvstore.batch_store import BatchStore
-from kvstore.kafka_log import (
-    FetchWaitAdjuster,
-    LogResetWatch,
-    commit_within,
-    ensure_topics,
-    refresh_metadata,
-    stop_consumer,
-)
 from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
 from schemas.kafka import (

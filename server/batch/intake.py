@@ -14,12 +14,11 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-import msgspec
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaProducer
 
+from bus.reader import Batch, Hooks, Options, Poll, Reader, Subscribe
 from kvstore.batch_store import BatchStore
-from kvstore.kafka_log import FetchWaitAdjuster, commit_within, rewind_to_committed, stop_consumer
-from schemas.batch import kafka_item_decoder
+from schemas.batch import KafkaBatchItem, kafka_item_decoder
 from schemas.names import batch_submit_group, batch_submit_topic, pool_topic
 from schemas.status import WorkerStatus
 from server.batch.items import ItemPreparer, error_line
@@ -58,63 +57,47 @@ class KafkaIntake:
         self.producer = producer
         self.live_workers = live_workers
         self.fetch_wait_ms = fetch_wait_ms
-        self._consumer: AIOKafkaConsumer | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._reader = Reader(
+            "batch intake",
+            bootstrap,
+            kafka_item_decoder,
+            Options(
+                fetch_wait_ms=fetch_wait_ms,
+                poll=Poll(200, 256),
+                group_id=batch_submit_group(model),
+                offset_reset="earliest",
+            ),
+            Hooks(self._handle, before_poll=self._wait_for_workers, error=self._retry),
+        )
         self.items_taken = 0
 
     async def start(self) -> None:
         """Join the group and start taking items."""
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap,
-            group_id=batch_submit_group(self.model),
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            fetch_max_wait_ms=self.fetch_wait_ms,
-        )
-        await self._consumer.start()
-        self._consumer.subscribe([self.topic])
-        self._task = asyncio.create_task(self._run(), name="batch-intake")
+        await self._reader.start(Subscribe((self.topic,)))
 
     async def stop(self) -> None:
         """Leave the group; uncommitted items are taken by another frontend."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        if self._consumer is not None:
-            with contextlib.suppress(Exception):
-                await stop_consumer(self._consumer)
+        with contextlib.suppress(Exception):
+            await self._reader.stop()
 
-    async def _run(self) -> None:
-        assert self._consumer is not None
-        consumer = self._consumer
-        stretch = FetchWaitAdjuster(consumer, "batch intake")
-        while True:
-            try:
-                if not self.live_workers():
-                    await asyncio.sleep(0.5)  # nothing can be prepared without a worker's context length
-                    continue
-                batches = await consumer.getmany(timeout_ms=200, max_records=256)
-                await stretch.after_poll(bool(batches))
-                for tp, records in batches.items():
-                    for r in records:
-                        await self._take(tp.partition, r.offset, r.timestamp, r.value)
-                    await commit_within(consumer, {tp: records[-1].offset + 1})
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # broker or Redis trouble: the uncommitted items are read again
-                log.warning("batch intake: %r; retrying from the last commit", exc)
-                await asyncio.sleep(0.5)  # back-off before the next attempt
-                with contextlib.suppress(Exception):  # the broker may still be away; the next pass retries
-                    await rewind_to_committed(consumer)
+    async def _wait_for_workers(self) -> None:
+        while not self.live_workers():  # noqa: ASYNC110 - the worker view (Redis) sets no event
+            await asyncio.sleep(0.5)  # nothing can be prepared without a worker's context length
 
-    async def _take(self, partition: int, offset: int, timestamp: int, raw: bytes | None) -> None:
-        try:
-            msg = kafka_item_decoder.decode(raw or b"")
-        except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
-            log.error(
-                "dropping an invalid Kafka batch item at %s[%d]@%d: %s", self.topic, partition, offset, exc
-            )
-            return
+    async def _handle(self, batch: Batch[KafkaBatchItem]) -> None:
+        for record, msg in batch.messages:
+            await self._take(batch.tp.partition, record.offset, record.timestamp, msg)
+        await self._reader.commit({batch.tp: batch.end})
+
+    async def _retry(self, exc: Exception) -> bool:
+        # Broker or Redis trouble: the uncommitted items are read again.
+        log.warning("batch intake: %r; retrying from the last commit", exc)
+        await asyncio.sleep(0.5)  # back-off before the next attempt
+        with contextlib.suppress(Exception):  # the broker may still be away; the next pass retries
+            await self._reader.rewind_to_committed()
+        return True
+
+    async def _take(self, partition: int, offset: int, timestamp: int, msg: KafkaBatchItem) -> None:
         workers = self.live_workers()
         max_len = min(w.max_model_len for w in workers)
         block_size = workers[0].block_size

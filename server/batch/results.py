@@ -17,11 +17,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
+from bus.reader import Batch, Hooks, Options, Poll, Reader, Subscribe
 from kvstore.batch_store import BatchStore
-from kvstore.kafka_log import FetchWaitAdjuster, commit_within, stop_consumer
 from schemas.batch import ItemMeta
 from schemas.kafka import Chunk, reply_decoder
 from schemas.names import batch_results_group, batch_results_topic
@@ -75,74 +75,63 @@ class ResultCollector:
         self._open: dict[str, ItemChunks] = {}
         self._metas: dict[str, ItemMeta] = {}
         self._foreign: OrderedDict[str, None] = OrderedDict()
-        self._consumer: AIOKafkaConsumer | None = None
-        self._task: asyncio.Task[None] | None = None
         self._next: dict[TopicPartition, int] = {}
+        self._last_commit = self._last_gc = time.monotonic()
+        self._reader = Reader(
+            "batch results",
+            bootstrap,
+            reply_decoder,
+            Options(
+                fetch_wait_ms=fetch_wait_ms,
+                poll=Poll(200, 2048),
+                group_id=self.group,
+                offset_reset="earliest",
+                max_poll_records=2048,
+            ),
+            Hooks(self._handle, after_poll=self._tend, error=self._retry, closing=self._last_commit_quietly),
+        )
         self.lines_recorded = 0
         self.joined = asyncio.Event()  # set once the group gave this frontend its share of the topic
 
     async def start(self) -> None:
         """Join the group and start reading."""
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap,
-            group_id=self.group,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            fetch_max_wait_ms=self.fetch_wait_ms,
-            max_poll_records=2048,
-        )
-        await self._consumer.start()
-        self._consumer.subscribe([self.topic], listener=_Joined(self.joined, self._forget_open))
-        self._task = asyncio.create_task(self._run(), name="batch-results")
+        self._last_commit = self._last_gc = time.monotonic()
+        await self._reader.start(Subscribe((self.topic,), _Joined(self.joined, self._forget_open)))
 
     async def stop(self) -> None:
         """Commit what is safe and leave the group (another frontend takes over at once)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        if self._consumer is not None:
-            with contextlib.suppress(Exception):
-                await self._commit()
-            with contextlib.suppress(Exception):
-                await stop_consumer(self._consumer)
+        with contextlib.suppress(Exception):
+            await self._reader.stop()
 
-    async def _run(self) -> None:
-        assert self._consumer is not None
-        last_commit = time.monotonic()
-        last_gc = time.monotonic()
-        stretch = FetchWaitAdjuster(self._consumer, "batch results")
-        while True:
-            try:
-                batches = await self._consumer.getmany(timeout_ms=200, max_records=2048)
-                await stretch.after_poll(bool(batches))
-                for tp, records in batches.items():
-                    await self._handle(tp, [(r.offset, r.value) for r in records])
-                now = time.monotonic()
-                if now - last_commit > 0.5:
-                    await self._commit()
-                    last_commit = now
-                if now - last_gc > 10.0:
-                    await self._drop_stale()
-                    last_gc = now
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # broker or Redis trouble: the uncommitted chunks are read again
-                log.warning("batch results: %r; retrying", exc)
-                await asyncio.sleep(0.5)  # back-off before the next attempt
+    async def _tend(self, got_records: bool) -> None:
+        """After each poll: commit what is safe twice a second, forget stale items every 10 s."""
+        now = time.monotonic()
+        if now - self._last_commit > 0.5:
+            await self._commit()
+            self._last_commit = now
+        if now - self._last_gc > 10.0:
+            await self._drop_stale()
+            self._last_gc = now
 
-    async def _handle(self, tp: TopicPartition, records: list[tuple[int, bytes | None]]) -> None:
+    async def _retry(self, exc: Exception) -> bool:
+        # Broker or Redis trouble: the uncommitted chunks are read again.
+        log.warning("batch results: %r; retrying", exc)
+        await asyncio.sleep(0.5)  # back-off before the next attempt
+        return True
+
+    async def _last_commit_quietly(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._commit()
+
+    async def _handle(self, batch: Batch[Chunk]) -> None:
+        tp = batch.tp
+        self._next[tp] = batch.end
         chunks: list[tuple[int, str, int, Chunk]] = []
-        for offset, raw in records:
-            self._next[tp] = offset + 1
-            try:
-                chunk = reply_decoder.decode(raw or b"")
-            except Exception as exc:
-                log.error("dropping an undecodable batch result: %r", exc)
-                continue
+        for record, chunk in batch.messages:
             split = split_sequence_id(chunk.request_id)
             if split is None or split[0] in self._foreign:
                 continue
-            chunks.append((offset, split[0], split[1], chunk))
+            chunks.append((record.offset, split[0], split[1], chunk))
         await self._load_metas({item for _, item, _, _ in chunks})
         for offset, item, k, chunk in chunks:
             meta = self._metas.get(item)
@@ -224,19 +213,18 @@ class ResultCollector:
         self._next.clear()
 
     async def _commit(self) -> None:
-        assert self._consumer is not None
         if not self._next:
             return
         oldest = min((s.first_offset for s in self._open.values()), default=None)
         points = {}
-        assigned = self._consumer.assignment()
+        assigned = self._reader.consumer.assignment()
         for tp in [tp for tp in self._next if tp not in assigned]:
             del self._next[tp]  # moved to another frontend, which reads from our last commit
         for tp, nxt in self._next.items():
             # One results partition in practice (workers write to partition 0); open items hold it back.
             points[tp] = nxt if oldest is None else min(nxt, oldest)
         try:
-            await commit_within(self._consumer, points)
+            await self._reader.commit(points)
         except (KafkaError, TimeoutError) as exc:
             log.info("batch results commit failed: %r", exc)
 

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Callable
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
+from bus.topics import ensure_topics
 from kvstore.batch_store import BatchStore
-from kvstore.kafka_log import ensure_topics
 from schemas.names import RedisKeys, batch_results_topic, batch_submit_topic, pool_topic
 from schemas.settings import FrontendSettings
 from schemas.status import WorkerStatus

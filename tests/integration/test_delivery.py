@@ -16,7 +16,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 import workers.worker
-from kvstore.kafka_log import delete_topics, ensure_topics
+from bus.topics import delete_topics, ensure_topics
 from schemas.kafka import (
     Cancel,
     GenerateRequest,

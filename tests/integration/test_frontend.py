@@ -172,15 +172,15 @@ async def test_a_dead_reply_consumer_fails_health_and_requests(h: Harness) -> No
     # says so, for a supervisor to restart the process.
     await h.add_worker()
     fe, url = await h.add_frontend()
-    assert fe.svc is not None and fe.svc.demux._consumer is not None
-    consumer = fe.svc.demux._consumer
+    assert fe.svc is not None
+    consumer = fe.svc.demux._reader.consumer
 
     async def broken(*args: object, **kw: object) -> object:
         raise RuntimeError("injected")
 
     consumer.getmany = broken  # type: ignore[method-assign]
-    assert fe.svc.demux._task is not None
-    await asyncio.wait([fe.svc.demux._task], timeout=10)  # its next poll raises
+    assert fe.svc.demux._reader._task is not None
+    await asyncio.wait([fe.svc.demux._reader._task], timeout=10)  # its next poll raises
     async with httpx.AsyncClient(base_url=url, timeout=30) as c:
         health = await c.get("/health")
         assert health.status_code == 503

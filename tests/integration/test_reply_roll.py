@@ -164,8 +164,7 @@ async def test_a_stream_that_ends_while_the_demux_reassigns_does_not_kill_it(kaf
     # Chaos run: the last stream of a retired topic ended during the reassignment's seek and the
     # demux died ("dictionary changed size during iteration"), failing every open stream.
     async with demux_rig(kafka, roll_records=1, retain_s=60) as (demux, reply, base):
-        assert demux._consumer is not None
-        consumer = demux._consumer
+        consumer = demux._reader.consumer
         seek = consumer.seek_to_beginning
         ending: list[ClientStream] = []
 

@@ -9,7 +9,9 @@ import uuid
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from kvstore.kafka_log import FetchWaitAdjuster, ensure_topics, stop_consumer
+from bus.consumer import stop_consumer
+from bus.log_watch import FetchWaitAdjuster
+from bus.topics import ensure_topics
 from launch.services import start_broker
 
 pytestmark = pytest.mark.integration

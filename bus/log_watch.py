@@ -1,4 +1,4 @@
-"""Kafka helpers that frontends and workers share: creating topics, and noticing a log that was reset.
+"""Keeping a reader moving: stretching its fetch wait while it lags, and noticing a log that was reset.
 
 A broker can come back without the log a consumer was reading: the embedded Tansu broker keeps
 everything in memory, so a restart on the same address starts every topic again at offset 0, and a
@@ -12,124 +12,12 @@ starts it over from the beginning when the position lies past that end, which a 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError, UnknownError
-from aiokafka.structs import RecordMetadata
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 log = logging.getLogger("ferry.kafka")
-
-# How long one offset commit may take before the caller reads on (its next commit covers the same).
-COMMIT_TIMEOUT_S = 5.0
-
-
-@contextlib.asynccontextmanager
-async def _admin(bootstrap: str) -> AsyncIterator[AIOKafkaAdminClient]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        yield admin
-    finally:
-        await admin.close()
-
-
-async def ensure_topics(bootstrap: str, topics: dict[str, int]) -> None:
-    """Create each topic with its number of partitions unless it exists."""
-    async with _admin(bootstrap) as admin:
-        for topic, partitions in topics.items():
-            with contextlib.suppress(TopicAlreadyExistsError):
-                await admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
-
-
-async def delete_topics(bootstrap: str, topics: list[str]) -> None:
-    """Delete topics (those already gone are fine)."""
-    async with _admin(bootstrap) as admin:
-        await admin.delete_topics(topics)
-
-
-async def send_and_wait(
-    producer: AIOKafkaProducer, topic: str, value: bytes, key: bytes, partition: int = 0, attempts: int = 3
-) -> RecordMetadata:
-    """`producer.send_and_wait`, retrying the broker's UnknownError with fresh metadata.
-
-    Tansu answers a produce with UnknownError once for a topic that changed under the producer's cached
-    metadata (created anew after an empty restart); the next attempt goes through. aiokafka calls the
-    error final, so without this the request behind it would fail.
-    """
-    for attempt in range(attempts):
-        try:
-            return await producer.send_and_wait(topic, value, key=key, partition=partition)
-        except UnknownError:
-            if attempt == attempts - 1:
-                raise
-            await producer.client.force_metadata_update()
-    raise AssertionError("unreachable")
-
-
-async def stop_consumer(consumer: AIOKafkaConsumer) -> None:
-    """`consumer.stop()`, finishing the job where aiokafka's own stop is cut short.
-
-    aiokafka 0.14's fetcher cancels its pending fetch tasks on close and then awaits them unguarded, so with
-    the broker away (a fetch in its retry back-off) stop() raises CancelledError before it closes the
-    client, whose metadata task then retries the dead broker for the life of the process.
-    """
-    try:
-        await consumer.stop()
-    except asyncio.CancelledError:
-        me = asyncio.current_task()
-        if me is not None and me.cancelling():
-            raise  # our caller is being cancelled: not aiokafka's doing
-        await consumer._client.close()
-
-
-async def refresh_metadata(producer: AIOKafkaProducer, timeout_s: float = 5.0) -> None:
-    """Fetch the producer's metadata anew (bounded); call when a reader found its log reset.
-
-    After an empty restart Tansu acknowledges records a producer writes with the metadata it had from
-    before, yet readers do not see them until that producer has refreshed: without this, a worker's
-    first replies after the restart could vanish (the frontend's delivery check is the safety net).
-    """
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(producer.client.force_metadata_update(), timeout_s)
-
-
-async def commit_within(
-    consumer: AIOKafkaConsumer,
-    offsets: dict[TopicPartition, int] | None = None,
-    timeout_s: float = COMMIT_TIMEOUT_S,
-) -> None:
-    """Commit offsets, raising TimeoutError after `timeout_s`; a caller cancelled meanwhile does not cut it short.
-
-    aiokafka retries a commit for as long as the broker calls the error retriable, and a topic the broker
-    forgot (an empty broker restarted on the same address) stays retriable forever, while the consumer
-    that waits on it reads nothing.
-    """
-    task = asyncio.ensure_future(consumer.commit(offsets))
-    try:
-        await asyncio.wait_for(asyncio.shield(task), timeout_s)
-    except TimeoutError:
-        task.cancel()
-        raise
-
-
-async def rewind_to_committed(consumer: AIOKafkaConsumer) -> None:
-    """Move every assigned partition back to its group's last commit (the start where there is none).
-
-    After a failure halfway through a fetched batch, the consumer's position is already past records that
-    were not handled; without this they would be skipped until the next rebalance.
-    """
-    for tp in consumer.assignment():
-        committed = await consumer.committed(tp)
-        if committed is None:
-            await consumer.seek_to_beginning(tp)
-        else:
-            consumer.seek(tp, committed)
-
 
 # Fetch wait of a reader that lags behind its log while its fetches come back empty (FetchWaitAdjuster).
 LAGGING_FETCH_WAIT_MS = 500

@@ -1,0 +1,383 @@
+"""The one consumer-loop owner: every Kafka reader is a `Reader` given a decoder, a handler and a failure hook.
+
+A Reader owns one AIOKafkaConsumer. It starts it and positions it (`Tail`, `At`, `Own`, `Subscribe`),
+runs the poll loop, stretches the fetch wait while it lags (`FetchWaitAdjuster`), checks idle polls for a
+log the broker lost (`LogResetWatch`, when asked), decodes every record with the reader's typed decoder
+(undecodable ones are logged and dropped) and hands each partition's batch to the handler; it stops the
+consumer through `stop_consumer`. A loop that dies unexpectedly is logged and reported to the failure hook,
+which fails whoever waits on the reader. Whatever else a reader needs (re-assigning partitions, pausing,
+commits, a rebalance listener, point lookups) is an option, a hook or a method here, not a loop of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+from aiokafka.errors import KafkaError, OffsetOutOfRangeError
+
+from bus.commits import commit_within, rewind_to_committed
+from bus.consumer import stop_consumer
+from bus.log_watch import FetchWaitAdjuster, LogResetWatch
+from bus.topics import ensure_topics
+
+log = logging.getLogger("ferry.kafka")
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+# How long one fetch of a point lookup waits before the lookup looks at the log's end.
+LOOKUP_POLL_MS = 500
+
+
+class Decoder(Protocol[T_co]):
+    """A typed msgspec decoder (MessagePack or JSON)."""
+
+    def decode(self, buf: bytes, /) -> T_co:
+        """The message a record's value holds; raises if it holds none."""
+        ...
+
+
+# ---- where a reader reads ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tail:
+    """Partition 0 of `topic` (created if missing) from its end, resolved at start: a lazy seek could skip
+    records written between the start and the first fetch (replies to the first requests, acks of the first
+    operation)."""
+
+    topic: str
+
+
+@dataclass(frozen=True)
+class At:
+    """Partition 0 of `topic` from `offset`."""
+
+    topic: str
+    offset: int
+
+
+@dataclass(frozen=True)
+class Own:
+    """Partition 0 of `topic`, assigned by hand, from the last commit of `Options.group_id` (else `offset_reset`)."""
+
+    topic: str
+
+
+@dataclass(frozen=True)
+class Subscribe:
+    """A member of the consumer group `Options.group_id` reading `topics`, told of rebalances by `listener`."""
+
+    topics: tuple[str, ...]
+    listener: ConsumerRebalanceListener | None = None
+
+
+Start = Tail | At | Own | Subscribe
+
+
+# ---- how it reads, and what it does with what it read -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Poll:
+    """One fetch: how long it may wait for records, and how many it takes at most."""
+
+    timeout_ms: int = 1000
+    max_records: int = 256
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a reader's consumer is made and how its loop polls."""
+
+    fetch_wait_ms: int = 100
+    poll: Poll = Poll()
+    # Check every idle poll for a log the broker lost, and read it again from the start (LogResetWatch).
+    watch_reset: bool = False
+    # Commit the consumer's positions after every poll that brought records (the handler has them by then).
+    commit_after_poll: bool = False
+    group_id: str | None = None
+    offset_reset: str = "latest"  # aiokafka's auto_offset_reset: "latest", "earliest" or "none"
+    client_id: str | None = None
+    max_poll_records: int | None = None
+    session_timeout_ms: int | None = None
+    heartbeat_interval_ms: int | None = None
+    # Give each member a range of adjacent partitions (aiokafka's default deals them out round-robin).
+    range_assignor: bool = False
+
+    def make_consumer(self, bootstrap: str) -> AIOKafkaConsumer:
+        """A consumer with these settings (offsets are only ever committed by hand)."""
+        extra: dict[str, Any] = {}
+        if self.client_id is not None:
+            extra["client_id"] = self.client_id
+        if self.max_poll_records is not None:
+            extra["max_poll_records"] = self.max_poll_records
+        if self.session_timeout_ms is not None:
+            extra["session_timeout_ms"] = self.session_timeout_ms
+        if self.heartbeat_interval_ms is not None:
+            extra["heartbeat_interval_ms"] = self.heartbeat_interval_ms
+        if self.range_assignor:
+            extra["partition_assignment_strategy"] = (RangePartitionAssignor,)
+        return AIOKafkaConsumer(
+            bootstrap_servers=bootstrap,
+            group_id=self.group_id,
+            enable_auto_commit=False,
+            auto_offset_reset=self.offset_reset,
+            fetch_max_wait_ms=self.fetch_wait_ms,
+            **extra,
+        )
+
+
+@dataclass(slots=True)
+class Batch(Generic[T]):
+    """What one poll brought from one partition."""
+
+    tp: TopicPartition
+    messages: list[tuple[Any, T]]  # (aiokafka ConsumerRecord, its decoded value), in offset order
+    dropped: list[Any]  # records that did not decode (logged)
+    end: int  # the offset after the last record fetched, dropped ones included
+
+
+@dataclass(frozen=True)
+class Hooks(Generic[T]):
+    """What a reader does with what it reads, and what its loop calls besides."""
+
+    # Called with each partition's batch of every poll that brought records (also when none decoded).
+    handle: Callable[[Batch[T]], Awaitable[None]]
+    # The loop died: fail whoever waits on this reader (the reader has logged the exception).
+    failed: Callable[[BaseException], None] | None = None
+    # (Options.watch_reset) The broker lost these partitions' log; the reader reads them again from the start.
+    reset: Callable[[list[TopicPartition]], Awaitable[None]] | None = None
+    # Before each poll: its settings (None: the reader's own), after whatever must happen first.
+    before_poll: Callable[[], Awaitable[Poll | None]] | None = None
+    # After each poll, once its batches were handled, with whether it brought records.
+    after_poll: Callable[[bool], Awaitable[None]] | None = None
+    # A round failed: True to go on with the next one (after logging, backing off, rewinding), False to die.
+    error: Callable[[Exception], Awaitable[bool]] | None = None
+    # The loop has ended and the consumer is about to stop (a last commit).
+    closing: Callable[[], Awaitable[None]] | None = None
+
+
+class Reader(Generic[T]):
+    """Owns one consumer and its poll loop; see the module docstring."""
+
+    def __init__(
+        self,
+        name: str,
+        bootstrap: str,
+        decoder: Decoder[T],
+        options: Options = Options(),
+        hooks: Hooks[T] | None = None,
+    ) -> None:
+        self.name = name
+        self._bootstrap = bootstrap
+        self._decoder = decoder
+        self._options = options
+        self._hooks = hooks
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._finishing = False
+        self._stopped = False
+        # A reader without a loop serves point lookups, one at a time (each re-assigns the consumer).
+        self._lookup = asyncio.Lock()
+        self.failed: BaseException | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self, at: Start | None = None) -> None:
+        """Start the consumer, position it (None: nowhere yet, for lookups), and run the loop if there are hooks."""
+        await self.open(at)
+        if self._hooks is not None:
+            self.run()
+
+    async def open(self, at: Start | None = None) -> None:
+        """Start the consumer and position it, without reading yet (`run` starts the loop)."""
+        if isinstance(at, Tail):
+            await ensure_topics(self._bootstrap, {at.topic: 1})
+        consumer = self._options.make_consumer(self._bootstrap)
+        await consumer.start()
+        self._consumer = consumer
+        match at:
+            case Tail(topic):
+                tp = TopicPartition(topic, 0)
+                consumer.assign([tp])
+                await consumer.seek_to_end(tp)
+                await consumer.position(tp)  # resolved now (see Tail)
+            case At(topic, offset):
+                tp = TopicPartition(topic, 0)
+                consumer.assign([tp])
+                consumer.seek(tp, offset)
+            case Own(topic):
+                consumer.assign([TopicPartition(topic, 0)])
+            case Subscribe(topics, listener):
+                consumer.subscribe(list(topics), listener=listener)
+            case None:
+                pass
+
+    def run(self) -> None:
+        """Start the poll loop (after `open`)."""
+        assert self._hooks is not None and self._task is None, "a loop needs hooks, and runs once"
+        self._task = asyncio.create_task(self._run(self._hooks), name=f"reader {self.name}")
+
+    def finish(self) -> None:
+        """Let the loop end after its current round; the consumer stays (for last commits) until `stop`."""
+        self._finishing = True
+
+    async def stop(self) -> None:
+        """End the loop, run the closing hook, stop the consumer. Safe to call more than once."""
+        if self._stopped:
+            return
+        self._stopped = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        consumer = self._consumer
+        if consumer is None:
+            return
+        try:
+            if self._hooks is not None and self._hooks.closing is not None:
+                await self._hooks.closing()
+        finally:
+            self._consumer = None
+            await stop_consumer(consumer)
+
+    @property
+    def started(self) -> bool:
+        """True from a successful `open` until `stop`."""
+        return self._consumer is not None
+
+    @property
+    def consumer(self) -> AIOKafkaConsumer:
+        """The consumer, for hooks that pause, resume or look at assignments and positions."""
+        assert self._consumer is not None, "open() first"
+        return self._consumer
+
+    # ---- for hooks ---------------------------------------------------------------------------------
+
+    async def position(self, tp: TopicPartition) -> int:
+        """The offset the next record of `tp` will have (waits while it is being resolved)."""
+        return int(await self.consumer.position(tp))
+
+    async def assign(self, positions: dict[TopicPartition, int]) -> None:
+        """Read exactly these partitions, each from its offset (0: from the log's start, wherever that is)."""
+        consumer = self.consumer
+        consumer.assign(list(positions))
+        for tp, offset in positions.items():
+            if offset > 0:
+                consumer.seek(tp, offset)
+            else:
+                await consumer.seek_to_beginning(tp)
+
+    async def commit(self, offsets: dict[TopicPartition, int] | None = None) -> None:
+        """Commit `offsets` (None: every current position) within `COMMIT_TIMEOUT_S` (see `commit_within`)."""
+        await commit_within(self.consumer, offsets)
+
+    async def rewind_to_committed(self) -> None:
+        """Move every assigned partition back to its group's last commit (see `rewind_to_committed`)."""
+        await rewind_to_committed(self.consumer)
+
+    # ---- point lookups -----------------------------------------------------------------------------
+
+    async def read_at(self, tp: TopicPartition, offset: int, timeout_s: float) -> T | None:
+        """The message at `offset` of `tp`; None if the log no longer holds it there (it ends before, another
+        record took its place, or the record does not decode).
+
+        For a reader without a loop. Raises KafkaError, or TimeoutError after `timeout_s`, when the broker
+        does not answer.
+        """
+        consumer = self.consumer
+        async with self._lookup:
+            try:
+                consumer.assign([tp])
+                consumer.seek(tp, offset)
+                async with asyncio.timeout(timeout_s):
+                    while True:
+                        fetched = await consumer.getmany(tp, timeout_ms=LOOKUP_POLL_MS, max_records=1)
+                        records = fetched.get(tp, [])
+                        if records:
+                            if records[0].offset != offset:
+                                return None
+                            batch = self._decode(tp, records)
+                            return batch.messages[0][1] if batch.messages else None
+                        # An empty fetch with the log's end at or before the offset: the record is gone.
+                        # (Tansu answers a fetch past the end with an empty batch, not an error.)
+                        end = consumer.highwater(tp)
+                        if end is not None and end <= offset:
+                            return None
+            except OffsetOutOfRangeError:
+                return None
+            finally:
+                # Unassigned, the consumer stops fetching in the background until the next lookup.
+                consumer.unsubscribe()
+
+    # ---- the loop ----------------------------------------------------------------------------------
+
+    async def _run(self, hooks: Hooks[T]) -> None:
+        consumer = self.consumer
+        stretch = FetchWaitAdjuster(consumer, self.name)
+        watch = LogResetWatch(consumer, self.name) if self._options.watch_reset else None
+        try:
+            while not self._finishing:
+                try:
+                    await self._round(hooks, consumer, stretch, watch)
+                except Exception as exc:
+                    if hooks.error is None or not await hooks.error(exc):
+                        raise
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            # Nobody else would ever answer whoever waits on this reader: fail them, loudly.
+            log.exception("%s: the reader died", self.name)
+            self.failed = exc
+            if hooks.failed is not None:
+                hooks.failed(exc)
+            raise
+
+    async def _round(
+        self,
+        hooks: Hooks[T],
+        consumer: AIOKafkaConsumer,
+        stretch: FetchWaitAdjuster,
+        watch: LogResetWatch | None,
+    ) -> None:
+        """One poll and everything around it."""
+        poll = self._options.poll
+        if hooks.before_poll is not None:
+            poll = await hooks.before_poll() or poll
+        fetched = await consumer.getmany(timeout_ms=poll.timeout_ms, max_records=poll.max_records)
+        await stretch.after_poll(bool(fetched))
+        if not fetched and watch is not None:
+            rewound = await watch.check()
+            if rewound and hooks.reset is not None:
+                await hooks.reset(rewound)
+        for tp, records in fetched.items():
+            await hooks.handle(self._decode(tp, records))
+        if fetched and self._options.commit_after_poll:
+            try:
+                await commit_within(consumer)
+            except (KafkaError, TimeoutError) as exc:
+                log.warning("%s: offset commit failed: %r", self.name, exc)
+        if hooks.after_poll is not None:
+            await hooks.after_poll(bool(fetched))
+
+    def _decode(self, tp: TopicPartition, records: list[Any]) -> Batch[T]:
+        batch: Batch[T] = Batch(tp, [], [], records[-1].offset + 1)
+        decode = self._decoder.decode
+        for record in records:
+            try:
+                batch.messages.append((record, decode(record.value or b"")))
+            except Exception as exc:
+                log.error(
+                    "%s: dropping an undecodable record at %s[%d]@%d: %r",
+                    self.name, tp.topic, tp.partition, record.offset, exc,
+                )
+                batch.dropped.append(record)
+        return batch
+
