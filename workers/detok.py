@@ -3,6 +3,9 @@
 Text is produced with `tokenizers`' DecodeStream, so characters split across tokens come out
 whole. While stop strings are set, a tail that could still grow into one is held back: streamed
 text never has to be retracted, and the stop string itself is never emitted (as in vLLM/OpenAI).
+With `min_tokens`, a stop string counts only if it ends in the text of a later token, as in vLLM;
+EOS and stop token ids still end the sequence wherever they appear: engines keep them from being
+produced before `min_tokens` (vLLM masks their logits).
 """
 
 from __future__ import annotations
@@ -56,6 +59,11 @@ class Detokenizer:
         # one token's text, so stop-string checks cost O(1) per token.
         self._pending = ""
         self.finished = False
+        # min_tokens: output tokens so far (migrated ones too), and the length of the head of
+        # _pending that came from the first min_tokens tokens, where no stop string may end.
+        self._min_tokens = sampling.min_tokens
+        self._count = len(prior_output_ids)
+        self._stop_from = 0
         self._prime(prompt_token_ids)
         if prior_output_ids:
             self._resume(prior_output_ids)
@@ -68,8 +76,12 @@ class Detokenizer:
             self.finished = True
             reason = None if token_id == self._eos else token_id
             return DetokOutput(self._flush(), stopped=True, stop_reason=reason)
+        self._count += 1
         piece = self._decode(token_id)
-        if piece:
+        if piece and self._count <= self._min_tokens:
+            self._pending += piece
+            self._stop_from = len(self._pending)
+        elif piece:
             self._pending += piece
             hit = self._find_stop()
             if hit is not None:
@@ -99,6 +111,8 @@ class Detokenizer:
         text = "".join(piece for t in prior_output_ids if (piece := self._decode(t)))
         hold = self._holdback(text)
         self._pending = text[len(text) - hold :] if hold else ""
+        # The previous worker found no stop string in it (or none could end there yet).
+        self._stop_from = len(self._pending)
 
     def _decode(self, token_id: int) -> str | None:
         try:
@@ -114,7 +128,7 @@ class Detokenizer:
     def _find_stop(self) -> tuple[int, str] | None:
         best: tuple[int, str] | None = None
         for stop in self._stops:
-            index = self._pending.find(stop)
+            index = self._pending.find(stop, max(0, self._stop_from - len(stop) + 1))
             if index >= 0 and (best is None or index < best[0]):
                 best = (index, stop)
         return best
@@ -131,6 +145,7 @@ class Detokenizer:
 
     def _emit(self, upto: int) -> str:
         out, self._pending = self._pending[:upto], self._pending[upto:]
+        self._stop_from = max(0, self._stop_from - upto)
         return out
 
     def _flush(self) -> str:

@@ -3,7 +3,8 @@
 It behaves like a real engine towards the worker (continuous batching, chunked prefill, priority
 admission, preemption by recompute, KV events in Ferry hashes) but "computes" by sleeping for the
 time NVIDIA Dynamo's mocker model gives each step, and emits deterministic pseudo-random tokens so
-streamed, non-streamed and migrated runs of the same request produce the same output.
+streamed, non-streamed and migrated runs of the same request produce the same output. A request
+with a structured-output constraint gets text valid for it instead (workers/sim_output.py).
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ from schemas.kv_events import AllBlocksCleared, BlockStored, KVEvent, KVEventBat
 from workers.block_pool import BlockPool, SequenceBlocks
 from workers.detok import Detokenizer
 from workers.engine import EngineDead, EngineError, EngineLifecycle, EngineOutput, EngineStats
+from workers.sim_output import OutputPlan, TokenSource, output_plan
 from workers.sim_timing import step_seconds
 
 logger = logging.getLogger(__name__)
 
 _U64 = (1 << 64) - 1
 # Domain tags keep the token, length and logprob streams of one sequence independent.
-_TAG_TOKEN, _TAG_LENGTH, _TAG_LOGPROB = 0, 1, 2
+_TAG_TOKEN, _TAG_LENGTH, _TAG_LOGPROB, _TAG_STRUCTURED = 0, 1, 2, 3
 _STREAM_KEY = struct.Struct("<QQQ")
 _DRAW = struct.Struct("<QQBI")
 
@@ -128,8 +130,8 @@ class _Seq:
     kv: SequenceBlocks
     detok: Detokenizer
     stream_key: int
-    # Total output length (counting migrated tokens) at which the sequence ends by itself.
-    natural_len: int | None
+    # The token at each output position, and where the sequence ends by itself.
+    plan: OutputPlan
     mailbox: _Mailbox = field(default_factory=_Mailbox)
     state: _State = _State.WAITING
     num_computed: int = 0
@@ -245,6 +247,13 @@ class SimEngine(EngineLifecycle):
         if not request.sampling.ignore_eos:
             span = self.config.max_output_tokens - self.config.min_output_tokens + 1
             natural_len = self.config.min_output_tokens + self._draw(key, 0, _TAG_LENGTH) % span
+        plan = output_plan(
+            request,
+            TokenSource(self._tokenizer, self._vocab, self._eos),
+            lambda pos: self._draw(key, pos, _TAG_TOKEN),
+            natural_len,
+            seed=self._draw(key, 0, _TAG_STRUCTURED),
+        )
         seq = _Seq(
             request=request,
             arrival=next(self._arrivals),
@@ -258,7 +267,7 @@ class SimEngine(EngineLifecycle):
                 prior_output_ids=prior,
             ),
             stream_key=key,
-            natural_len=natural_len,
+            plan=plan,
         )
         self._seqs[request.request_id] = seq
         self._push_waiting(seq)
@@ -510,11 +519,7 @@ class SimEngine(EngineLifecycle):
     def _emit_token(self, seq: _Seq) -> None:
         request = seq.request
         pos = len(request.generated_token_ids) + seq.generated
-        natural_end = seq.natural_len is not None and pos >= seq.natural_len - 1
-        if natural_end and self._eos is not None:
-            token = self._eos
-        else:
-            token = self._vocab[self._draw(seq.stream_key, pos, _TAG_TOKEN) % len(self._vocab)]
+        token, natural_end = seq.plan.next_token(pos)
         seq.tokens.append(token)
         seq.generated += 1
         length_end = seq.generated >= request.max_tokens

@@ -53,6 +53,7 @@ from workers.engine import EngineDead, EngineError, EngineLifecycle, EngineOutpu
 from workers.kv_bridge import KVBridge
 from workers.lora import adapter_of, adapter_rank
 from workers.model_dir import ModelInfo, load_model_info
+from workers.vllm_params import logit_fields, refusal, structured_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -422,6 +423,7 @@ class VLLMEngine(EngineLifecycle):
 
     def _sampling_params(self, request: GenerateRequest) -> VllmSamplingParams:
         s = request.sampling
+        structured = structured_outputs(request)
         try:
             return VllmSamplingParams(
                 n=1,
@@ -442,6 +444,8 @@ class VLLMEngine(EngineLifecycle):
                 output_kind=RequestOutputKind.DELTA,
                 # Ferry's Detokenizer makes the text and finds stop strings (see the module docstring).
                 detokenize=False,
+                structured_outputs=structured,
+                **logit_fields(request),
             )
         except (VLLMClientError, ValueError, TypeError) as e:
             raise EngineError("invalid_request", str(e)) from e
@@ -483,11 +487,12 @@ class VLLMEngine(EngineLifecycle):
         except EngineDeadError as e:
             live.settled = True
             raise EngineDead("vLLM engine died") from e
-        except VLLMClientError as e:
-            live.settled = True
-            raise EngineError("invalid_request", str(e)) from e
         except Exception as e:
             live.settled = True
+            # A request vLLM judges invalid (a constraint its backend cannot compile, too) fails anywhere.
+            refused = refusal(live.request, e)
+            if refused is not None:
+                raise refused from e
             raise EngineError("engine_error", f"vLLM refused the request: {e!r}", retriable=True) from e
         if self._dead is not None:
             raise EngineDead(self._dead)
