@@ -25,13 +25,10 @@ from typing import Protocol
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import KafkaError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from bus.commits import commit_within
-from bus.consumer import stop_consumer
-from bus.log_watch import FetchWaitAdjuster
+from bus.reader import Batch, Hooks, Options, Poll, Reader, Subscribe
 from kvstore.batch_store import BatchStore
 from schemas.kafka import Chunk, GenerateRequest, PoolItem, pool_decoder
 from schemas.names import pool_group, pool_topic
@@ -64,6 +61,10 @@ class PoolHost(Protocol):
     @property
     def failed(self) -> bool:
         """True once the worker hit a fatal error (nothing it finishes now counts)."""
+        ...
+
+    def fail(self, exc: BaseException) -> None:
+        """A background part of the worker died: the worker stops."""
         ...
 
 
@@ -148,7 +149,34 @@ class PoolConsumer:
         self.store = store
         self.metrics = PoolMetrics(registry)
         self.topic = pool_topic(settings.served_model_name)
-        self._consumer: AIOKafkaConsumer | None = None
+        session_ms = int(settings.pool_session_timeout_s * 1000)
+        self._reader = Reader(
+            "pool",
+            settings.kafka,
+            pool_decoder,
+            Options(
+                # Polling an idle pool every few ms takes CPU from the engine (docs/benchmarks.md, vLLM), but
+                # 100 ms here made tests/integration/test_batch_kafka.py time out with no item taken; the
+                # cause is not found yet, so the pool keeps the interactive fetch wait for now.
+                fetch_wait_ms=settings.kafka_fetch_wait_ms,
+                group_id=pool_group(settings.served_model_name),
+                client_id=f"ferry-pool-{settings.worker_id}",
+                offset_reset="earliest",
+                session_timeout_ms=session_ms,
+                heartbeat_interval_ms=max(100, session_ms // 5),
+                # Adjacent partitions hold adjacent runs of a prefix-ordered batch: keep them on one worker.
+                range_assignor=True,
+            ),
+            Hooks(
+                self._handle,
+                failed=host.fail,
+                before_poll=self._make_room,
+                after_poll=self._wait_for_room,
+                error=self._fetch_failed,
+            ),
+        )
+        self._room_now = 0
+        self._loops: list[asyncio.Task[None]] = []
         self._tracks: dict[TopicPartition, PartitionTrack] = {}
         self._runs: dict[str, _ItemRun] = {}
         self._sequences = 0
@@ -165,76 +193,67 @@ class PoolConsumer:
 
     async def start(self) -> None:
         """Join the group (the topic is created by whoever needs it first)."""
-        s = self.settings
-        session_ms = int(s.pool_session_timeout_s * 1000)
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=s.kafka,
-            group_id=pool_group(s.served_model_name),
-            client_id=f"ferry-pool-{s.worker_id}",
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            # Polling an idle pool every few ms takes CPU from the engine (docs/benchmarks.md, vLLM), but
-            # 100 ms here made tests/integration/test_batch_kafka.py time out with no item taken; the
-            # cause is not found yet, so the pool keeps the interactive fetch wait for now.
-            fetch_max_wait_ms=s.kafka_fetch_wait_ms,
-            session_timeout_ms=session_ms,
-            heartbeat_interval_ms=max(100, session_ms // 5),
-            # Adjacent partitions hold adjacent runs of a prefix-ordered batch: keep them on one worker.
-            partition_assignment_strategy=(RangePartitionAssignor,),
-        )
-        await self._consumer.start()
-        self._consumer.subscribe([self.topic], listener=_Rebalance(self))
+        await self._reader.open(Subscribe((self.topic,), _Rebalance(self)))
 
-    async def run(self) -> None:
+    def run(self) -> None:
         """Fetch items while there is room, until `stop_taking`; commits go on in the background."""
-        assert self._consumer is not None
-        consumer = self._consumer
-        committer = asyncio.create_task(self._commit_loop(), name="pool-commit")
-        watcher = asyncio.create_task(self._stopped_loop(), name="pool-stopped")
-        stretch = FetchWaitAdjuster(consumer, "pool")
-        try:
-            while self._taking:
-                room = self._room_for()
-                self._set_paused(consumer, room <= 0)
-                try:
-                    batches = await consumer.getmany(
-                        timeout_ms=200 if room > 0 else 0, max_records=max(1, room)
-                    )
-                except KafkaError as exc:
-                    log.warning("pool fetch failed: %r", exc)
-                    batches = {}
-                await stretch.after_poll(bool(batches))
-                for tp, records in batches.items():
-                    track = self._tracks.get(tp)
-                    if track is None:  # revoked while the records were on their way
-                        continue
-                    for record in records:
-                        self._take(track, record.offset, record.value)
-                if room <= 0:
-                    # Room comes back when an item ends or the engine's load drops: check often.
-                    self._room.clear()
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(0.05):
-                            await self._room.wait()
-        finally:
-            committer.cancel()
-            watcher.cancel()
-            await asyncio.gather(committer, watcher, return_exceptions=True)
+        self._loops = [
+            asyncio.create_task(self._commit_loop(), name="pool-commit"),
+            asyncio.create_task(self._stopped_loop(), name="pool-stopped"),
+        ]
+        self._reader.run()
 
     def stop_taking(self) -> None:
         """Take no more items (drain): running ones finish through the worker's own drain."""
         self._taking = False
+        self._reader.finish()
+        for t in self._loops:
+            t.cancel()
         self._room.set()
 
     async def close(self, commit: bool = True) -> None:
         """Commit what is done (unless the worker failed) and leave the group, which hands our partitions on."""
-        if self._consumer is None:
+        if not self._reader.started:
             return
+        for t in self._loops:
+            t.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
         if commit and not self.host.failed:
             await self._commit(force_flush=True)
         with contextlib.suppress(Exception):
-            await stop_consumer(self._consumer)
-        self._consumer = None
+            await self._reader.stop()
+
+    # ---- the reader's hooks ----------------------------------------------------------------------
+
+    async def _make_room(self) -> Poll:
+        room = self._room_now = self._room_for()
+        self._set_paused(self._reader.consumer, room <= 0)
+        return Poll(timeout_ms=200 if room > 0 else 0, max_records=max(1, room))
+
+    async def _handle(self, batch: Batch[PoolItem]) -> None:
+        track = self._tracks.get(batch.tp)
+        if track is None:  # revoked while the records were on their way
+            return
+        for record in batch.dropped:  # logged by the reader; done, so commits pass over it
+            self.metrics.items.labels("undecodable").inc()
+            track.take(record.offset)
+            track.done(record.offset)
+        for record, item in batch.messages:
+            self._take(track, record.offset, item)
+
+    async def _wait_for_room(self, got_records: bool) -> None:
+        if self._room_now <= 0:
+            # Room comes back when an item ends or the engine's load drops: check often.
+            self._room.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.05):
+                    await self._room.wait()
+
+    async def _fetch_failed(self, exc: Exception) -> bool:
+        if not isinstance(exc, KafkaError):
+            return False
+        log.warning("pool fetch failed: %r", exc)
+        return True
 
     # ---- taking items ----------------------------------------------------------------------------
 
@@ -258,15 +277,8 @@ class PoolConsumer:
             consumer.resume(*consumer.paused())
         self.metrics.paused.set(1 if pause and assigned else 0)
 
-    def _take(self, track: PartitionTrack, offset: int, raw: bytes | None) -> None:
+    def _take(self, track: PartitionTrack, offset: int, item: PoolItem) -> None:
         track.take(offset)
-        try:
-            item = pool_decoder.decode(raw or b"")
-        except Exception as exc:
-            log.error("dropping an undecodable pool message at offset %d: %r", offset, exc)
-            self.metrics.items.labels("undecodable").inc()
-            track.done(offset)
-            return
         if item.batch_id and item.batch_id in self._stopped:
             self.metrics.items.labels("stopped").inc()
             track.done(offset)
@@ -376,8 +388,7 @@ class PoolConsumer:
             await asyncio.sleep(0.2)
 
     async def _commit(self, force_flush: bool = False, only: list[TopicPartition] | None = None) -> None:
-        consumer = self._consumer
-        if consumer is None:
+        if not self._reader.started:
             return
         points = {
             tp: p
@@ -391,7 +402,7 @@ class PoolConsumer:
             self._commit_wanted.set()
             return
         try:
-            await commit_within(consumer, points)
+            await self._reader.commit(points)
         except (KafkaError, TimeoutError) as exc:
             log.info("pool commit failed (%r); the items will be retried from the last commit", exc)
             return

@@ -13,13 +13,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NamedTuple
 
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from bus.commits import commit_within
-from bus.consumer import stop_consumer
-from bus.log_watch import FetchWaitAdjuster, LogResetWatch
 from bus.produce import refresh_metadata
+from bus.reader import Batch, Hooks, Options, Own, Poll, Reader
 from bus.topics import ensure_topics
 from kvstore.batch_store import BatchStore
 from kvstore.kv_index import KVIndex
@@ -32,6 +30,7 @@ from schemas.kafka import (
     GenerateRequest,
     LoadLora,
     LoraAck,
+    RequestMessage,
     UnloadLora,
     request_decoder,
     request_encoder,
@@ -124,12 +123,23 @@ class Worker:
         self._kv_index = KVIndex(redis, RedisKeys(s.redis_prefix))
         self._kv = KVPublisher(self._kv_index, s.worker_id, s.served_model_name, self.metrics)
         self._producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
-        consumer = AIOKafkaConsumer(
-            bootstrap_servers=s.kafka,
-            group_id=f"ferry-worker-{s.worker_id}",
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            fetch_max_wait_ms=s.kafka_fetch_wait_ms,
+        inbox = self._inbox = Reader(
+            "requests",
+            s.kafka,
+            request_decoder,
+            Options(
+                fetch_wait_ms=s.kafka_fetch_wait_ms,
+                poll=Poll(1000, 256),
+                # An idle worker sees nothing fail while the broker is away (no commit, no reply), so the
+                # check cannot wait for an error: a position past the fetch's high watermark is the only sign
+                # that the broker came back without this log, and on a healthy log it never holds.
+                watch_reset=True,
+                # Commit once the engine holds the requests: a restart under the same id resumes after them.
+                commit_after_poll=True,
+                group_id=f"ferry-worker-{s.worker_id}",
+                offset_reset="earliest",
+            ),
+            Hooks(self._dispatch_all, failed=self._set_fatal, reset=self._log_lost),
         )
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -137,8 +147,7 @@ class Worker:
             await self.engine.start()
             await ensure_topic(s.kafka, self.topic)
             await self._producer.start()
-            await consumer.start()
-            consumer.assign([TopicPartition(self.topic, 0)])
+            await inbox.open(Own(self.topic))
             if s.pool:
                 await ensure_topic(s.kafka, pool_topic(s.served_model_name), s.pool_partitions)
                 self.pool = PoolConsumer(s, self, BatchStore(redis, RedisKeys(s.redis_prefix)), self.metrics.registry)
@@ -154,15 +163,15 @@ class Worker:
                 "worker %s ready: engine=%s model=%s topic=%s metrics=%s",
                 s.worker_id, self.engine_name, s.served_model_name, self.topic, self._metrics_url,
             )
+            inbox.run()
             tasks = [
-                asyncio.create_task(self._guard("inbox", self._consume(consumer))),
                 asyncio.create_task(self._guard("outbox", self._send_loop())),
                 asyncio.create_task(self._guard("heartbeat", self._heartbeat_loop())),
                 asyncio.create_task(self._guard("health", self._health_loop())),
                 asyncio.create_task(self._guard("kv-events", self._drain_kv_events())),
             ]
             if self.pool is not None:
-                tasks.append(asyncio.create_task(self._guard("pool", self.pool.run())))
+                self.pool.run()
             fatal = asyncio.create_task(self._fatal_event.wait())
             stop = asyncio.create_task(shutdown.wait())
             await asyncio.wait([stop, fatal], return_when=asyncio.FIRST_COMPLETED)
@@ -173,20 +182,22 @@ class Worker:
                 await self._leave()
                 await self._fail_all(ErrorInfo("engine_dead", str(self._fatal), retriable=True))
                 return 1
-            await self._drain(consumer)
+            await self._drain()
             return 0
         finally:
             # Shielded: a caller that gives up on the drain (a cancelled task) must not leave the Kafka
             # clients running; the clean-up then finishes in the background.
-            self._closing = asyncio.ensure_future(self._close(tasks, consumer, redis))
+            self._closing = asyncio.ensure_future(self._close(tasks, inbox, redis))
             await asyncio.shield(self._closing)
 
     async def _close(
-        self, tasks: list[asyncio.Task[None]], consumer: AIOKafkaConsumer, redis: aioredis.Redis
+        self, tasks: list[asyncio.Task[None]], inbox: Reader[RequestMessage], redis: aioredis.Redis
     ) -> None:
         """Stop the loops and in-flight requests, hand queued chunks to the producer, close every client."""
         assert self._producer is not None
-        sender = tasks[1] if len(tasks) > 1 else None
+        sender = tasks[0] if tasks else None
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await inbox.stop()  # before anything else: read nothing more
         for t in tasks:
             if t is not sender:
                 t.cancel()
@@ -205,8 +216,7 @@ class Worker:
         await asyncio.gather(*self._resends, return_exceptions=True)
         # Nothing cancels this task (its caller holds it through a shield), so a CancelledError here comes from
         # inside a client whose own retries were cut short by the broker's absence: go on to the next one.
-        closers: list[Callable[[], Awaitable[object]]] = [lambda: stop_consumer(consumer), self._producer.stop, self.lora.close,
-                                                          self.engine.stop, redis.aclose]  # fmt: skip
+        closers: list[Callable[[], Awaitable[object]]] = [self._producer.stop, self.lora.close, self.engine.stop, redis.aclose]  # fmt: skip
         if self.pool is not None:
             pool = self.pool
             closers.insert(0, lambda: pool.close(commit=False))
@@ -225,12 +235,16 @@ class Worker:
             log.exception("worker task %s failed", name)
             self._set_fatal(exc)
 
+    def fail(self, exc: BaseException) -> None:
+        """A background part of the worker died (the pool's reader): the worker stops."""
+        self._set_fatal(exc)
+
     def _set_fatal(self, exc: BaseException) -> None:
         if self._fatal is None:
             self._fatal = exc
         self._fatal_event.set()
 
-    async def _drain(self, consumer: AIOKafkaConsumer) -> None:
+    async def _drain(self) -> None:
         """Leave routing at once, let in-flight requests finish within the grace period, commit."""
         s = self.settings
         self._draining = True
@@ -250,7 +264,7 @@ class Worker:
                 await self._fail_all(ErrorInfo("worker_stopped", "worker stopped before finishing", retriable=True))
         await self._flush()
         with contextlib.suppress(KafkaError, TimeoutError):
-            await commit_within(consumer)
+            await self._inbox.commit()
         if self.pool is not None:
             # Commit finished batch items and leave the group: the others take our partitions at once.
             await self.pool.close()
@@ -286,36 +300,15 @@ class Worker:
 
     # ---- inbox ---------------------------------------------------------------------------------
 
-    async def _consume(self, consumer: AIOKafkaConsumer) -> None:
-        watch = LogResetWatch(consumer, "requests")
-        stretch = FetchWaitAdjuster(consumer, "requests")
-        while True:
-            batches = await consumer.getmany(timeout_ms=1000, max_records=256)
-            await stretch.after_poll(bool(batches))
-            if not batches:
-                # An idle worker sees nothing fail while the broker is away (no commit, no reply), so the
-                # check cannot wait for an error: a position past the fetch's high watermark is the only sign
-                # that the broker came back without this log, and on a healthy log it never holds.
-                if await watch.check() and self._producer is not None:
-                    await refresh_metadata(self._producer)  # the replies it writes next must be seen
-                continue
-            for records in batches.values():
-                for record in records:
-                    await self._dispatch(record.value)
-            # Commit once the engine holds the requests: a restart under the same id resumes after them.
-            try:
-                await commit_within(consumer)
-            except (KafkaError, TimeoutError) as exc:
-                log.warning("offset commit failed: %r", exc)
+    async def _dispatch_all(self, batch: Batch[RequestMessage]) -> None:
+        for _record, msg in batch.messages:
+            await self._dispatch(msg)
 
-    async def _dispatch(self, raw: bytes | None) -> None:
-        if raw is None:
-            return
-        try:
-            msg = request_decoder.decode(raw)
-        except Exception as exc:
-            log.error("dropping an undecodable message on %s: %r", self.topic, exc)
-            return
+    async def _log_lost(self, rewound: list[TopicPartition]) -> None:
+        if self._producer is not None:
+            await refresh_metadata(self._producer)  # the replies it writes next must be seen
+
+    async def _dispatch(self, msg: RequestMessage) -> None:
         match msg:
             case GenerateRequest():
                 key = (msg.request_id, msg.attempt)

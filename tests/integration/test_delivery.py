@@ -15,7 +15,6 @@ import msgspec
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-import workers.worker
 from bus.topics import delete_topics, ensure_topics
 from schemas.kafka import (
     Cancel,
@@ -96,16 +95,8 @@ async def test_request_log_tells_a_held_request_from_a_lost_one(kafka: str, pref
 async def test_a_request_the_broker_lost_is_sent_again(
     h: Harness, kafka: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    readers: list[AIOKafkaConsumer] = []
-
-    class Recorded(AIOKafkaConsumer):  # type: ignore[misc]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            readers.append(self)
-
-    monkeypatch.setattr(workers.worker, "AIOKafkaConsumer", Recorded)
     w = await h.add_worker()
-    inbox = readers[0]
+    inbox = w.worker._inbox.consumer
     fe, url = await h.add_frontend(delivery_check_s=1.0, request_timeout_s=60.0)
     topic = request_topic(w.worker.settings.worker_id)
     # The worker stops reading (it keeps heartbeating): the request waits in the broker, as under load.

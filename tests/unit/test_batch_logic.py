@@ -162,6 +162,9 @@ class _Host:
     async def flush_replies(self, timeout_s: float) -> bool:
         return True
 
+    def fail(self, exc: BaseException) -> None:
+        self.failed = True
+
 
 def _stats(running: int = 0, waiting: int = 0, kv: float = 0.0) -> EngineStats:
     return EngineStats(running, waiting, kv, 0.0, 1000, 64, 4096)
