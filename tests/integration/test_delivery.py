@@ -96,7 +96,7 @@ async def test_a_request_the_broker_lost_is_sent_again(
     h: Harness, kafka: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     w = await h.add_worker()
-    inbox = w.worker._inbox.consumer
+    inbox = w.worker._inbox.reader.consumer
     fe, url = await h.add_frontend(delivery_check_s=1.0, request_timeout_s=60.0)
     topic = request_topic(w.worker.settings.worker_id)
     # The worker stops reading (it keeps heartbeating): the request waits in the broker, as under load.

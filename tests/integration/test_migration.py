@@ -23,7 +23,7 @@ from schemas.kafka import SamplingParams, reply_decoder
 from schemas.names import RedisKeys
 from tests.harness import Harness, RunningWorker, sse_events, worker_process
 from tests.integration.test_worker import Client
-from workers.worker import SEND_TRIES
+from workers.outbox import SEND_TRIES
 
 pytestmark = pytest.mark.integration
 

@@ -13,11 +13,11 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from bus.topics import ensure_topics
 from kvstore.registry import Registry
 from schemas.kafka import Cancel, Chunk, GenerateRequest, SamplingParams, reply_decoder, request_encoder
 from schemas.names import RedisKeys, request_topic
 from tests.harness import Harness, harness
-from workers.worker import ensure_topic
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +32,7 @@ class Client:
         self.consumer = AIOKafkaConsumer(bootstrap_servers=kafka, enable_auto_commit=False, fetch_max_wait_ms=50)
 
     async def start(self) -> None:
-        await ensure_topic(self.kafka, self.topic)
+        await ensure_topics(self.kafka, {self.topic: 1})
         await self.producer.start()
         await self.consumer.start()
         tp = TopicPartition(self.topic, 0)

@@ -13,13 +13,13 @@ import msgspec
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from bus.topics import ensure_topics
 from schemas.kafka import Chunk, GenerateRequest, SamplingParams, reply_decoder, request_encoder
 from schemas.names import request_topic
 from schemas.settings import DEFAULT_MODEL_NAME as BASE
 from server.model_files import ModelFiles
 from tests.harness import sse_events
 from tests.vllm.stack import VllmStack
-from workers.worker import ensure_topic
 
 pytestmark = pytest.mark.vllm
 
@@ -79,7 +79,7 @@ async def test_engine_death_takes_the_worker_out(vllm_stack: VllmStack) -> None:
     # Straight onto the worker's topic, replies to a topic of the test's own: what the worker itself
     # reports, whatever the frontend would then do with it (migrate, or fail the client's stream).
     replies = f"test.engine-death.{uuid.uuid4().hex[:8]}"
-    await ensure_topic(stack.kafka, replies)
+    await ensure_topics(stack.kafka, {replies: 1})
     consumer = AIOKafkaConsumer(bootstrap_servers=stack.kafka, enable_auto_commit=False, fetch_max_wait_ms=20)
     producer = AIOKafkaProducer(bootstrap_servers=stack.kafka)
     await consumer.start()

@@ -1,0 +1,136 @@
+"""A worker's outgoing records: one bounded queue and one sender, so each request's chunks stay in order.
+
+The queue pushes back on the engine when Kafka lags. A record the broker refuses is sent again behind what
+was queued since (docs/architecture.md, broker quirk "stale producer metadata").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from typing import NamedTuple
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+
+from schemas.kafka import Chunk, GenerateRequest, LoraAck, request_encoder
+from workers.metrics import WorkerMetrics
+
+log = logging.getLogger("ferry.worker")
+
+# Produces of one reply record before it counts as lost.
+SEND_TRIES = 3
+QUEUE_SIZE = 4096
+
+# Rewrites a request's chunk before it is queued; None holds it back (the pool consumer sends a batch
+# item's output once, whole).
+Coalescer = Callable[[GenerateRequest, Chunk], Chunk | None]
+
+
+class Outgoing(NamedTuple):
+    """One record on its way to a frontend's topic, and how often producing it failed so far."""
+
+    topic: str
+    key: bytes
+    value: bytes
+    tries: int = 0
+
+
+def encoded(req: GenerateRequest, chunk: Chunk) -> Outgoing:
+    """The record carrying `chunk` to the topic `req` replies to."""
+    return Outgoing(req.reply_topic, req.request_id.encode(), request_encoder.encode(chunk))
+
+
+class Outbox:
+    """Queues chunks and acks for the producer; `run()` is the one sender."""
+
+    def __init__(self, producer: AIOKafkaProducer, metrics: WorkerMetrics) -> None:
+        self._producer = producer
+        self._metrics = metrics
+        self._queue: asyncio.Queue[Outgoing] = asyncio.Queue(maxsize=QUEUE_SIZE)
+        self._resends: set[asyncio.Task[None]] = set()
+        self._coalesce: Coalescer | None = None
+
+    def coalesce_with(self, coalescer: Coalescer) -> None:
+        """Pass every chunk through `coalescer` before it is queued."""
+        self._coalesce = coalescer
+
+    async def send(self, req: GenerateRequest, chunk: Chunk) -> None:
+        """Queue one chunk for the request's reply topic (waits while the queue is full)."""
+        if self._coalesce is not None:
+            merged = self._coalesce(req, chunk)
+            if merged is None:
+                return
+            chunk = merged
+        await self._queue.put(encoded(req, chunk))
+
+    def send_final_nowait(self, req: GenerateRequest, chunk: Chunk) -> None:
+        """Queue a request's last chunk from a task being cancelled (no await allowed, no coalescing)."""
+        self._queue.put_nowait(encoded(req, chunk))
+
+    async def send_ack(self, topic: str, ack: LoraAck) -> None:
+        """Queue the answer to a LoRA operation for the asking frontend's admin topic."""
+        await self._queue.put(Outgoing(topic, ack.op_id.encode(), request_encoder.encode(ack)))
+
+    async def run(self) -> None:
+        """Hand queued records to the producer, in order, forever."""
+        while True:
+            out = await self._queue.get()
+            try:
+                # Returns once the record is in the producer's batch; delivery is reported later.
+                # Partition 0 is the only one a frontend reads (and spares hashing the key per record).
+                delivery = await self._producer.send(out.topic, out.value, key=out.key, partition=0)
+                delivery.add_done_callback(functools.partial(self._on_delivery, out))
+            except KafkaError as exc:
+                self._on_send_error(out, exc)
+            finally:
+                self._queue.task_done()
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait until every record queued so far is acknowledged by the broker; False on timeout."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._queue.join()
+                await self._producer.flush()
+        except (TimeoutError, KafkaError):
+            return False
+        return True
+
+    async def handed_over(self, timeout_s: float) -> None:
+        """Wait (bounded) until every queued record is in the producer, whose stop() then flushes it."""
+        try:
+            await asyncio.wait_for(self._queue.join(), timeout=timeout_s)
+        except TimeoutError:
+            log.warning("%d reply record(s) still queued after %.0fs; dropping them", self._queue.qsize(), timeout_s)
+
+    async def close(self) -> None:
+        """Cancel resends still waiting: nothing sends them any more."""
+        for t in self._resends:
+            t.cancel()
+        await asyncio.gather(*self._resends, return_exceptions=True)
+
+    def _on_delivery(self, out: Outgoing, fut: asyncio.Future[object]) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            self._on_send_error(out, fut.exception())
+
+    def _on_send_error(self, out: Outgoing, exc: BaseException | None) -> None:
+        """Send a record again, behind whatever was queued since.
+
+        The copy may land after later chunks of the same request: the frontend sees the gap, moves the
+        sequence, and drops the copy (server/streams.py). A final chunk that follows nothing is saved.
+        """
+        self._metrics.kafka_send_errors.inc()
+        if out.tries + 1 < SEND_TRIES:
+            log.warning("a reply record was not delivered (%r); sending it again", exc)
+            task = asyncio.create_task(self._resend(out._replace(tries=out.tries + 1)))
+            self._resends.add(task)
+            task.add_done_callback(self._resends.discard)
+            return
+        log.warning("a reply record was not delivered (%r); giving up on it", exc)
+
+    async def _resend(self, out: Outgoing) -> None:
+        # With fresh metadata (broker quirk "stale producer metadata").
+        await self._producer.client.force_metadata_update()
+        await self._queue.put(out)

@@ -1,0 +1,180 @@
+"""Sequences on the engine: each engine delta becomes one Chunk on the outbox; cancels and what is in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, FinishReason, GenerateRequest
+from workers.engine import Engine, EngineDead, EngineError, EngineOutput
+from workers.metrics import WorkerMetrics
+from workers.outbox import Outbox
+
+log = logging.getLogger("ferry.worker")
+
+
+async def _no_outputs() -> AsyncIterator[EngineOutput]:
+    """The outputs of a sequence that never reaches the engine."""
+    return
+    yield
+
+
+def chunk_of(req: GenerateRequest, seq: int, out: EngineOutput, worker_id: str, usage: ChunkUsage | None) -> Chunk:
+    """The Chunk carrying one engine delta of `req` as its `seq`-th chunk."""
+    return Chunk(
+        request_id=req.request_id,
+        seq=seq,
+        token_ids=out.token_ids,
+        text=out.text,
+        finish_reason=out.finish_reason,
+        stop_reason=out.stop_reason,
+        usage=usage,
+        worker_id=worker_id,
+        logprobs=out.logprobs,
+        attempt=req.attempt,
+    )
+
+
+def ending(req: GenerateRequest, seq: int, worker_id: str, error: ErrorInfo | None = None) -> Chunk:
+    """The chunk that ends `req` without output: aborted, or failed with `error`."""
+    reason: FinishReason = "abort" if error is None else "error"
+    return Chunk(req.request_id, seq, finish_reason=reason, worker_id=worker_id, error=error, attempt=req.attempt)
+
+
+class Serving:
+    """Runs each accepted request as a task that streams its chunks, and tracks what is in flight."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        outbox: Outbox,
+        metrics: WorkerMetrics,
+        worker_id: str,
+        on_fatal: Callable[[BaseException], None],
+    ) -> None:
+        self._engine = engine
+        self._outbox = outbox
+        self._metrics = metrics
+        self._worker_id = worker_id
+        self._on_fatal = on_fatal
+        self._inflight: dict[str, asyncio.Task[None]] = {}
+        # In-flight attempts a Cancel named (dropped when they end). The task, not the request id: a
+        # newer attempt of the same request (a migration back to this worker) must not inherit the cancel.
+        self._cancelled: set[asyncio.Task[None]] = set()
+        self.idle = asyncio.Event()  # set while no request is in flight
+        self.idle.set()
+        # What requests cut short by fail_all tell their clients.
+        self._stop_error = ErrorInfo("worker_stopped", "worker stopped before finishing", retriable=True)
+
+    def __len__(self) -> int:
+        return len(self._inflight)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._inflight
+
+    def running(self, request_id: str) -> asyncio.Task[None] | None:
+        """The task serving `request_id`, if it is running."""
+        return self._inflight.get(request_id)
+
+    def start(self, req: GenerateRequest) -> asyncio.Task[None]:
+        """Serve `req` in a task of its own."""
+        task = asyncio.create_task(self._serve(req), name=f"serve-{req.request_id}")
+        self._inflight[req.request_id] = task
+        self.idle.clear()
+        task.add_done_callback(functools.partial(self._done, req.request_id))
+        return task
+
+    async def cancel(self, request_id: str) -> None:
+        """A frontend's Cancel: abort the request in the engine, even if it has not reached it yet."""
+        task = self._inflight.get(request_id)
+        if task is None:
+            return
+        log.debug("cancel %s", request_id)
+        # The request may have arrived in the same batch and not reached the engine yet, where an abort
+        # finds nothing to stop: `_serve` checks this set before and after it starts.
+        self._cancelled.add(task)
+        await self._engine.abort(request_id)
+
+    async def supersede(self, req: GenerateRequest) -> None:
+        """A newer attempt of a request that still runs here: a frontend thought this worker dead (a late
+        heartbeat) and moved the request, back to us. Stop the old attempt before the new one starts."""
+        old = self._inflight[req.request_id]
+        log.info("request %s: attempt %d replaces the one running here", req.request_id, req.attempt)
+        await self._engine.abort(req.request_id)
+        _, pending = await asyncio.wait([old], timeout=5.0)
+        if pending:
+            old.cancel()
+            await asyncio.gather(old, return_exceptions=True)
+
+    async def fail_all(self, error: ErrorInfo) -> None:
+        """End every request in flight with `error`."""
+        self._stop_error = error
+        for rid, task in list(self._inflight.items()):
+            task.cancel()
+            await self._engine.abort(rid)
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Cancel every request still in flight and wait for their tasks (each queues its last chunk)."""
+        tasks = list(self._inflight.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _done(self, request_id: str, task: asyncio.Task[None]) -> None:
+        if self._inflight.get(request_id) is task:
+            del self._inflight[request_id]
+        self._cancelled.discard(task)
+        if not self._inflight:
+            self.idle.set()
+
+    async def _serve(self, req: GenerateRequest) -> None:
+        """Run one sequence and send every delta back as a Chunk."""
+        wid, metrics = self._worker_id, self._metrics
+        # A migrated request continues the sequence numbers its stream already used.
+        seq = req.seq_base
+        generated = len(req.generated_token_ids)
+        metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        try:
+            finished = aborted = reaborted = False
+            me = asyncio.current_task()
+            # Cancelled before it started: nothing to generate, the abort chunk below ends it.
+            outputs = _no_outputs() if me in self._cancelled else self._engine.generate(req)
+            async for out in outputs:
+                if not reaborted and me in self._cancelled:
+                    # Cancelled while the engine was still taking it in, where its abort found nothing.
+                    reaborted = True
+                    await self._engine.abort(req.request_id)
+                generated += len(out.token_ids)
+                usage = None
+                if out.finish_reason is not None:
+                    finished = True
+                    aborted = out.finish_reason == "abort"
+                    usage = ChunkUsage(out.prompt_tokens or len(req.prompt_token_ids), generated, out.cached_tokens)
+                    metrics.cached_tokens.inc(out.cached_tokens)
+                metrics.generated_tokens.inc(len(out.token_ids))
+                await self._outbox.send(req, chunk_of(req, seq, out, wid, usage))
+                seq += 1
+            if not finished:
+                # The engine ended the sequence without a reason: it was aborted (client cancel).
+                await self._outbox.send(req, ending(req, seq, wid))
+                metrics.requests.labels("aborted").inc()
+            else:
+                # An engine that reports the abort itself (the sim engine does) ended it on a Cancel too.
+                metrics.requests.labels("aborted" if aborted else "finished").inc()
+        except asyncio.CancelledError:
+            self._outbox.send_final_nowait(req, ending(req, seq, wid, self._stop_error))
+            metrics.requests.labels("cancelled").inc()
+            raise
+        except EngineError as exc:
+            if isinstance(exc, EngineDead):
+                self._on_fatal(exc)
+            await self._outbox.send(req, ending(req, seq, wid, ErrorInfo(exc.code, str(exc), exc.retriable)))
+            metrics.requests.labels("error").inc()
+        except Exception as exc:
+            log.exception("request %s failed in the engine", req.request_id)
+            error = ErrorInfo("internal_error", f"{type(exc).__name__}: {exc}", retriable=True)
+            await self._outbox.send(req, ending(req, seq, wid, error))
+            metrics.requests.labels("error").inc()
