@@ -258,7 +258,7 @@ class SimSettings(EngineSettings):
 
 @dataclasses.dataclass(kw_only=True)
 class VLLMSettings(EngineSettings):
-    """vLLM engine: its VLLMConfig (workers/vllm_engine.py)."""
+    """vLLM engine: its VLLMConfig (workers/vllm_config.py)."""
 
     kv_cache_gib: float = dataclasses.field(default=1.0, metadata=_help("vllm: KV cache size in GiB"))
     kv_events_port: int = dataclasses.field(

@@ -15,7 +15,8 @@ def build_engine(settings: WorkerSettings) -> Engine:
     """The engine `settings.engine` names; a max_model_len of 0 becomes the engine's own."""
     if settings.engine == "vllm":
         # Imported only here: vLLM is an optional install and takes seconds to import.
-        from workers.vllm_engine import VLLMConfig, VLLMEngine
+        from workers.vllm_config import VLLMConfig
+        from workers.vllm_engine import VLLMEngine
 
         max_len = settings.max_model_len or VLLMConfig().max_model_len
         vllm_config = VLLMConfig(**values_of(settings, VLLMSettings) | {"max_model_len": max_len})

@@ -13,35 +13,28 @@ import asyncio
 import heapq
 import itertools
 import logging
-import math
-import struct
 import time
-from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
 
 import msgspec
-import numpy as np
-import xxhash
 from tokenizers import Tokenizer
 
 from kvstore.hashing import block_hashes, chain_seed
-from schemas.kafka import FinishReason, GenerateRequest, TokenLogprob
+from schemas.kafka import FinishReason, GenerateRequest
 from schemas.kv_events import AllBlocksCleared, BlockStored, KVEvent, KVEventBatch
 from workers.block_pool import BlockPool, SequenceBlocks
 from workers.detok import Detokenizer
-from workers.engine import EngineDead, EngineError, EngineLifecycle, EngineOutput, EngineStats
+from workers.engine import EngineDead, EngineLifecycle, EngineOutput, EngineStats
+from workers.engine_base import KVEventQueue, Mailbox, OutputStream, check_request
+from workers.sim_draws import TAG_LENGTH, TAG_STRUCTURED, TAG_TOKEN, draw, logprob, output_vocab, stream_key
 from workers.sim_output import OutputPlan, TokenSource, output_plan
 from workers.sim_timing import step_seconds
 
 logger = logging.getLogger(__name__)
 
-_U64 = (1 << 64) - 1
 # Domain tags keep the token, length and logprob streams of one sequence independent.
-_TAG_TOKEN, _TAG_LENGTH, _TAG_LOGPROB, _TAG_STRUCTURED = 0, 1, 2, 3
-_STREAM_KEY = struct.Struct("<QQQ")
-_DRAW = struct.Struct("<QQBI")
 
 
 class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -82,45 +75,6 @@ class _State(Enum):
     FINISHED = 2
 
 
-class _Mailbox:
-    """One request's pending output: deltas merge while the consumer lags (vLLM's collector)."""
-
-    __slots__ = ("_error", "_pending", "_ready")
-
-    def __init__(self) -> None:
-        self._pending: EngineOutput | None = None
-        self._error: BaseException | None = None
-        self._ready = asyncio.Event()
-
-    def put(self, out: EngineOutput) -> None:
-        pending = self._pending
-        if pending is None:
-            self._pending = out
-        else:
-            pending.token_ids.extend(out.token_ids)
-            pending.text += out.text
-            pending.logprobs = pending.logprobs + out.logprobs
-            pending.finish_reason = out.finish_reason
-            pending.stop_reason = out.stop_reason
-            pending.prompt_tokens = out.prompt_tokens or pending.prompt_tokens
-            pending.cached_tokens = out.cached_tokens or pending.cached_tokens
-        self._ready.set()
-
-    def fail(self, error: BaseException) -> None:
-        self._error = error
-        self._ready.set()
-
-    async def get(self) -> EngineOutput:
-        while True:
-            if self._pending is not None:
-                out, self._pending = self._pending, None
-                return out
-            if self._error is not None:
-                raise self._error
-            self._ready.clear()
-            await self._ready.wait()
-
-
 @dataclass(slots=True, eq=False)
 class _Seq:
     request: GenerateRequest
@@ -132,7 +86,7 @@ class _Seq:
     stream_key: int
     # The token at each output position, and where the sequence ends by itself.
     plan: OutputPlan
-    mailbox: _Mailbox = field(default_factory=_Mailbox)
+    mailbox: Mailbox = field(default_factory=Mailbox)
     state: _State = _State.WAITING
     num_computed: int = 0
     # Tokens to (re)compute as prefill since the last admission; later tokens are decodes.
@@ -152,23 +106,6 @@ class _Step:
     seconds: float
 
 
-class _OutputStream(AsyncIterator[EngineOutput]):
-    """What generate() returns: iterating streams deltas, closing early aborts the request."""
-
-    def __init__(self, engine: SimEngine, seq: _Seq) -> None:
-        self._engine = engine
-        self._seq = seq
-        self._gen = engine._stream(seq)
-
-    async def __anext__(self) -> EngineOutput:
-        return await self._gen.__anext__()
-
-    async def aclose(self) -> None:
-        """Abort the request if it is still running, then close the stream."""
-        self._engine._abort_seq(self._seq)
-        await self._gen.aclose()
-
-
 class SimEngine(EngineLifecycle):
     """A simulated vLLM engine implementing the Engine protocol on the caller's event loop."""
 
@@ -183,7 +120,7 @@ class SimEngine(EngineLifecycle):
         self.config = config or SimConfig()
         self._tokenizer = tokenizer
         self._eos = eos_token_id
-        self._vocab = self._output_vocab(tokenizer, eos_token_id)
+        self._vocab = output_vocab(tokenizer, eos_token_id)
         self._pool = BlockPool(self.config.num_blocks, self.config.block_size)
         self._kv_capacity = self.config.num_blocks * self.config.block_size
         self._seqs: dict[str, _Seq] = {}
@@ -197,11 +134,7 @@ class SimEngine(EngineLifecycle):
         self._dead: str | None = None
         self._prompt_tokens_seen = 0
         self._cached_tokens_seen = 0
-        self._kv_batches: deque[KVEventBatch] = deque()
-        self._kv_ready = asyncio.Event()
-        self._kv_closed = False
-        self._kv_resync = False
-        self.kv_batches_dropped = 0
+        self._kv_events = KVEventQueue(self.config.max_pending_kv_batches, self._snapshot)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -226,7 +159,7 @@ class SimEngine(EngineLifecycle):
             self._abort_seq(seq)
         if self._pool.reset():
             self._publish(self._pool.take_events())
-        self._close_kv_events()
+        self._kv_events.close()
 
     async def check_health(self) -> None:
         """Raise EngineDead if the step loop died or the engine was stopped."""
@@ -242,17 +175,17 @@ class SimEngine(EngineLifecycle):
         self._validate(request)
         prior = request.generated_token_ids
         tokens = [*request.prompt_token_ids, *prior]
-        key = self._stream_key(request)
+        key = stream_key(request)
         natural_len = None
         if not request.sampling.ignore_eos:
             span = self.config.max_output_tokens - self.config.min_output_tokens + 1
-            natural_len = self.config.min_output_tokens + self._draw(key, 0, _TAG_LENGTH) % span
+            natural_len = self.config.min_output_tokens + self._draw(key, 0, TAG_LENGTH) % span
         plan = output_plan(
             request,
             TokenSource(self._tokenizer, self._vocab, self._eos),
-            lambda pos: self._draw(key, pos, _TAG_TOKEN),
+            lambda pos: self._draw(key, pos, TAG_TOKEN),
             natural_len,
-            seed=self._draw(key, 0, _TAG_STRUCTURED),
+            seed=self._draw(key, 0, TAG_STRUCTURED),
         )
         seq = _Seq(
             request=request,
@@ -272,7 +205,7 @@ class SimEngine(EngineLifecycle):
         self._seqs[request.request_id] = seq
         self._push_waiting(seq)
         self._wake.set()
-        return _OutputStream(self, seq)
+        return OutputStream(self._stream(seq), lambda: self._abort_seq(seq))
 
     async def abort(self, request_id: str) -> None:
         """Stop one request and free its blocks; a no-op if it is unknown or done."""
@@ -289,7 +222,7 @@ class SimEngine(EngineLifecycle):
 
     def kv_events(self) -> AsyncIterator[KVEventBatch]:
         """Batches of KV events, one per step that changed the cache; ends when the engine stops."""
-        return self._kv_event_stream()
+        return self._kv_events.stream()
 
     def stats(self) -> EngineStats:
         """Current load and cache figures."""
@@ -342,19 +275,7 @@ class SimEngine(EngineLifecycle):
             raise EngineDead(self._dead)
         if self._stopped or self._task is None:
             raise EngineDead("engine is not running")
-        if request.request_id in self._seqs:
-            raise EngineError("duplicate_request", f"request {request.request_id!r} is already running")
-        if not request.prompt_token_ids:
-            raise EngineError("invalid_request", "the prompt is empty")
-        if request.max_tokens < 1:
-            raise EngineError("invalid_request", "max_tokens must be at least 1")
-        total = len(request.prompt_token_ids) + len(request.generated_token_ids) + request.max_tokens
-        if total > self.config.max_model_len:
-            raise EngineError(
-                "context_length_exceeded",
-                f"prompt and max_tokens need {total} tokens; the model allows {self.config.max_model_len}",
-                retriable=False,
-            )
+        check_request(request, self._seqs, self.config.max_model_len)
 
     async def _stream(self, seq: _Seq) -> AsyncGenerator[EngineOutput, None]:
         try:
@@ -417,7 +338,7 @@ class SimEngine(EngineLifecycle):
             self._running.clear()
             self._waiting.clear()
             self._num_waiting = 0
-            self._close_kv_events()
+            self._kv_events.close()
 
     def _schedule(self) -> _Step | None:
         cfg = self.config
@@ -533,7 +454,7 @@ class SimEngine(EngineLifecycle):
             token_ids=[token], text=delta.text, finish_reason=finish, stop_reason=delta.stop_reason
         )
         if request.sampling.logprobs is not None:
-            out.logprobs = [self._logprob(seq, pos, token, request.sampling.logprobs)]
+            out.logprobs = [logprob(self._vocab, self.config.seed, seq.stream_key, pos, token, request.sampling.logprobs)]
         if not seq.sent_first or finish is not None:
             seq.sent_first = True
             out.prompt_tokens = len(request.prompt_token_ids)
@@ -542,81 +463,19 @@ class SimEngine(EngineLifecycle):
             self._finish(seq)
         seq.mailbox.put(out)
 
-    # -- deterministic outputs -------------------------------------------------------------
-
-    @staticmethod
-    def _output_vocab(tokenizer: Tokenizer, eos_token_id: int | None) -> list[int]:
-        excluded = set(tokenizer.get_added_tokens_decoder())
-        if eos_token_id is not None:
-            excluded.add(eos_token_id)
-        vocab = sorted(set(tokenizer.get_vocab(with_added_tokens=False).values()) - excluded)
-        if not vocab:
-            raise ValueError("the tokenizer has no ordinary tokens to generate")
-        return vocab
-
-    def _stream_key(self, request: GenerateRequest) -> int:
-        prompt_hash = xxhash.xxh3_64_intdigest(np.asarray(request.prompt_token_ids, dtype="<u4").tobytes())
-        seed = (request.sampling.seed or 0) & _U64
-        return xxhash.xxh3_64_intdigest(_STREAM_KEY.pack(seed, request.index & _U64, prompt_hash))
-
-    def _draw(self, stream_key: int, pos: int, tag: int, k: int = 0) -> int:
-        return xxhash.xxh3_64_intdigest(_DRAW.pack(stream_key, pos, tag, k), seed=self.config.seed & _U64)
-
-    def _logprob(self, seq: _Seq, pos: int, token: int, k: int) -> TokenLogprob:
-        # The sampled token ranks first with p >= 0.5; each alternative takes a share of the
-        # remaining mass, so probabilities sum to at most 1 and all alternatives rank below it.
-        vocab = self._vocab
-        k = min(k, len(vocab))
-        draw = self._draw(seq.stream_key, pos, _TAG_LOGPROB)
-        p = 0.5 + 0.45 * ((draw & 0xFFFF) / 0xFFFF)
-        first = math.log(p)
-        taken = {token}
-        remaining = 1.0 - p
-        alternatives: list[tuple[int, float]] = []
-        for rank in range(1, k):
-            draw = self._draw(seq.stream_key, pos, _TAG_LOGPROB, rank)
-            i = draw % len(vocab)
-            while vocab[i] in taken:
-                i = (i + 1) % len(vocab)
-            share = remaining * (0.2 + 0.4 * (((draw >> 16) & 0xFFFF) / 0xFFFF))
-            remaining -= share
-            taken.add(vocab[i])
-            alternatives.append((vocab[i], math.log(share)))
-        alternatives.sort(key=lambda item: item[1], reverse=True)
-        top = [(token, first), *alternatives] if k else []
-        return TokenLogprob(token_id=token, logprob=first, top=top)
+    def _draw(self, key: int, pos: int, tag: int) -> int:
+        return draw(self.config.seed, key, pos, tag)
 
     # -- KV events -------------------------------------------------------------------------
 
+    @property
+    def kv_batches_dropped(self) -> int:
+        """KV event batches dropped because the reader fell behind (it got a snapshot instead)."""
+        return self._kv_events.dropped
+
     def _publish(self, events: list[KVEvent]) -> None:
-        if not events or self._kv_closed:
-            return
-        if len(self._kv_batches) >= self.config.max_pending_kv_batches:
-            self._kv_batches.popleft()
-            self.kv_batches_dropped += 1
-            # The reader has lost events; it gets a snapshot of the cache before anything else.
-            self._kv_resync = True
-        self._kv_batches.append(KVEventBatch(ts=time.time(), events=events))
-        self._kv_ready.set()
-
-    def _close_kv_events(self) -> None:
-        self._kv_closed = True
-        self._kv_ready.set()
-
-    async def _kv_event_stream(self) -> AsyncGenerator[KVEventBatch, None]:
-        while True:
-            if self._kv_resync:
-                # Every queued batch is already reflected in the cache, so the snapshot replaces them.
-                self._kv_resync = False
-                self._kv_batches.clear()
-                yield self._snapshot()
-            elif self._kv_batches:
-                yield self._kv_batches.popleft()
-            elif self._kv_closed:
-                return
-            else:
-                self._kv_ready.clear()
-                await self._kv_ready.wait()
+        if events:
+            self._kv_events.publish(KVEventBatch(ts=time.time(), events=events))
 
     def _snapshot(self) -> KVEventBatch:
         events: list[KVEvent] = [AllBlocksCleared()]

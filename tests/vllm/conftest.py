@@ -32,7 +32,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest_asyncio.fixture(scope="session")
 async def vllm_engine(model_path: Path) -> AsyncIterator[VLLMEngine]:
     """A started VLLMEngine with the settings that suit a 2-core CPU host."""
-    from workers.vllm_engine import VLLMConfig, VLLMEngine
+    from workers.vllm_config import VLLMConfig
+    from workers.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(DEFAULT_MODEL_NAME, model_path, VLLMConfig())
     await engine.start()

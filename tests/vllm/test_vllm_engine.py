@@ -20,7 +20,8 @@ from schemas.settings import VLLMSettings, WorkerSettings
 from server.model_files import ModelFiles
 from workers.engine import EngineError, EngineOutput
 from workers.engine_choice import build_engine
-from workers.vllm_engine import VLLMConfig, VLLMEngine
+from workers.vllm_config import VLLMConfig
+from workers.vllm_engine import VLLMEngine
 
 pytestmark = pytest.mark.vllm
 
