@@ -21,12 +21,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from bus.produce import refresh_metadata
 from kvstore.kv_index import KVIndex
 from kvstore.load import LoadBoard
 from kvstore.registry import Registry
 from kvstore.resume_store import ResumeStore
-from schemas.kafka import ErrorInfo
 from schemas.names import RedisKeys, admin_topic, reply_topic
 from schemas.openai import (
     ChatCompletionRequest,
@@ -50,6 +48,7 @@ from server.errors import APIError, from_validation_error, model_not_found
 from server.generation import Generation, Services, new_id
 from server.kafka_io import Dispatcher, ReplyDemux
 from server.metrics import FrontendMetrics
+from server.migration import Migrations
 from server.model_files import ModelFiles
 from server.openapi import document_bytes
 from server.pool import WorkerPool
@@ -130,50 +129,22 @@ class Frontend:
             roll_records=s.replies_roll_records, retain_s=s.resume_ttl_s, metrics=self.metrics,
         )
 
-        def fail_worker(worker_id: str | None) -> None:
-            # Each open sequence of the worker (None: of every worker) moves to another one
-            # (server/generation.py), up to --migration-limit times; the error is for streams that cannot move.
-            what = f"worker {worker_id} stopped responding" if worker_id else "the message broker lost its log"
-            failed = demux.fail_worker(worker_id, ErrorInfo("worker_died", what, retriable=True))
-            if not failed:
-                return
-            self.metrics.worker_failures.inc(len(failed))
-            log.error(
-                "%s with %d sequence(s) in flight; moving them (migration limit %d)",
-                what, len(failed), s.migration_limit,
-            )
-            # A worker that only missed heartbeats (a pause, a Redis hiccup) is still generating: stop it.
-            # A moving sequence sends that Cancel itself, once its old worker's late chunks no longer count.
-            assert self.svc is not None
-            for rid, moving in failed:
-                if not moving and worker_id is not None:
-                    self._spawn(self.svc.dispatcher.cancel(worker_id, rid))
-
-        def on_reset() -> None:
-            # An empty broker came back (Tansu keeps its log in memory): requests and chunks in transit are
-            # gone, so every open sequence is sent again, as if its worker had died. The producer's metadata
-            # is refreshed too, or what it writes next may stay unseen for a while (moves have a watchdog).
-            fail_worker(None)
-            self._spawn(refresh_metadata(producer))
-
-        demux.on_reset = on_reset
-
-        def on_dead(worker_id: str, restarted: bool) -> None:
-            # A worker that drained cleanly left after its last chunks were acknowledged; give the reply
-            # consumer one heartbeat to deliver them before calling anything still open lost.
-            asyncio.get_running_loop().call_later(s.heartbeat_interval_s, fail_worker, worker_id)
-            router.forget_worker(worker_id)
-            if not restarted:  # a restarted worker swept its own entries and is publishing new ones
-                self._spawn(index.clear_worker(worker_id))
+        producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
+        dispatcher = Dispatcher(producer, s.kafka_timeout_s, self.metrics)
+        # Where a lost worker or a lost replies log is answered (server/migration.py).
+        migrations = Migrations(
+            demux, dispatcher, producer, router, index, self.metrics, s.migration_limit,
+            grace_s=s.heartbeat_interval_s, spawn=self._spawn,
+        )  # fmt: skip
+        demux.on_reset = migrations.log_lost
 
         async def exchange_load() -> None:
             router.remote = await board.exchange(s.frontend_id, router.local, 3 * s.heartbeat_interval_s)
 
         pool = WorkerPool(
-            registry, s.heartbeat_interval_s / 2, self.metrics, on_dead, exchange_load, s.max_queued_requests,
-            heartbeat_s=s.heartbeat_interval_s,
+            registry, s.heartbeat_interval_s / 2, self.metrics, migrations.worker_gone, exchange_load,
+            s.max_queued_requests, heartbeat_s=s.heartbeat_interval_s,
         )  # fmt: skip
-        producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(_timed, "Redis client", redis.aclose)
             # Registered before start: a start that fails (broker down) must still close the client.
@@ -195,9 +166,10 @@ class Frontend:
                 frontend_id=s.frontend_id,
                 pool=pool,
                 router=self.router,
-                dispatcher=Dispatcher(producer, s.kafka_timeout_s, self.metrics),
+                dispatcher=dispatcher,
                 demux=demux,
                 metrics=self.metrics,
+                migrations=migrations,
                 request_timeout_s=s.request_timeout_s,
                 keepalive_s=s.sse_keepalive_s,
                 busy_wait_s=s.busy_wait_s,

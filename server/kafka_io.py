@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from schemas.kafka import Cancel, Chunk, ErrorInfo, GenerateRequest, reply_decod
 from schemas.names import request_topic
 from server.errors import APIError
 from server.metrics import FrontendMetrics
-from server.streams import ClientStream
+from server.streams import ClientStream, Sequence
 
 log = logging.getLogger("ferry.frontend")
 
@@ -170,7 +169,6 @@ class ReplyDemux:
         # Called when the broker lost this topic's log (restarted empty): chunks and requests in transit
         # went with it, so every open sequence must be sent again.
         self.on_reset: Callable[[], None] | None = None
-        self.reset_at = -math.inf  # monotonic time the broker was last seen to have lost this log
 
     @property
     def topic(self) -> str:
@@ -227,24 +225,14 @@ class ReplyDemux:
         self._doomed.append((time.monotonic() + self._retain_s, tail.topic))
         self._reassign = True
 
-    def fail_worker(self, worker_id: str | None, error: ErrorInfo) -> list[tuple[str, bool]]:
-        """Hand every sequence running on `worker_id` (None: on any worker) to its stream's migration, else
-        end it with `error`.
-
-        Returns the request id of each such sequence, and whether it is moving to another worker.
-        """
-        lost = []
-        for rid, stream in list(self._by_request.items()):
+    def open_sequences(self, worker_id: str | None) -> list[tuple[ClientStream, Sequence]]:
+        """Every unfinished sequence running on `worker_id` (None: on any worker), with its stream."""
+        out = []
+        for rid, stream in self._by_request.items():
             seq = stream.sequences.get(rid)
             if seq is not None and worker_id in (None, seq.worker_id) and not seq.finished:
-                if stream.on_lost is not None:
-                    stream.on_lost(seq, worker_id is not None)
-                else:
-                    stream.fail(rid, error)
-                lost.append((rid, stream.on_lost is not None))
-        return lost
-
-    # ---- the reader's hooks ----------------------------------------------------------------------
+                out.append((stream, seq))
+        return out
 
     async def _reassign_if_wanted(self) -> None:
         if self._reassign:
@@ -264,7 +252,6 @@ class ReplyDemux:
         for tp in rewound:
             if tp.topic in self._tails:
                 self._tails[tp.topic].position = 0
-        self.reset_at = time.monotonic()
         if self.on_reset is not None:
             self.on_reset()
 

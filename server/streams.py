@@ -13,6 +13,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Protocol
 
 from schemas.kafka import Chunk, ErrorInfo
@@ -23,6 +24,23 @@ log = logging.getLogger("ferry.frontend")
 
 # Sequence number of a migration marker: below every real chunk's, so it never becomes output.
 MARKER_SEQ = -1
+
+
+class Loss(Enum):
+    """Why a sequence's attempt can no longer deliver its output (each is answered by moving it)."""
+
+    WORKER_DIED = "its worker died"  # left the registry, or restarted under its id
+    LOG_LOST = "the broker lost the replies log"  # an empty restart: requests and chunks in transit are gone
+    CHUNK_LOST = "a reply chunk never reached the topic"  # a gap in the attempt's chunks
+    REQUEST_LOST = "its request got no answer"  # the delivery check: lost by the broker, or in doubt
+
+
+class MoveState(Enum):
+    """Where a sequence stands with respect to moving to another worker (server/migration.py)."""
+
+    IN_PLACE = "in place"  # running on the worker its decision names
+    MOVING = "moving"  # a move is under way: routing, its marker, its request, its first chunk
+    MOVING_AGAIN = "moving again"  # lost again while moving: the move starts over as soon as it can
 
 
 @dataclass
@@ -47,7 +65,8 @@ class Sequence:
     # chunk is not the request's doing), and the worker to stop once the move in progress is in place.
     moves: int = 0
     moved_from: str = ""
-    stalls: int = 0  # moves made again because the broker lost their marker or request (server/generation.py)
+    stalls: int = 0  # moves made again because the broker lost their marker or request
+    move: MoveState = MoveState.IN_PLACE  # changed only through server/migration.py's transitions
 
     @property
     def worker_id(self) -> str:
@@ -79,11 +98,9 @@ class ClientStream:
     sequences: dict[str, Sequence] = field(default_factory=dict)
     _items: deque[tuple[Sequence, Chunk]] = field(default_factory=deque)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
-    # Called when a sequence's worker died, or (False) the broker lost its log (set by the owning
-    # Generation: it migrates the sequence).
-    on_lost: Callable[[Sequence, bool], None] | None = None
-    # Called when a chunk of a sequence never arrived (set by the owning Generation: it migrates the sequence).
-    on_gap: Callable[[Sequence], None] | None = None
+    # Called when a sequence's attempt can no longer deliver (its worker died, a chunk never arrived, ...);
+    # set by the owning Generation to its mover (server/migration.py). Without it, such a sequence fails.
+    on_lost: Callable[[Sequence, Loss], None] | None = None
 
     def put(self, chunk: Chunk) -> None:
         """Accept one chunk from Kafka; duplicates and chunks of superseded attempts are dropped."""
@@ -106,12 +123,12 @@ class ClientStream:
             # broker restarted): its tokens are gone, so the attempt cannot go on. Moving the sequence
             # re-sends the tokens that did arrive; a replay of the topic drops the same chunks.
             seq.broken = True
-            if self.on_gap is not None:
+            if self.on_lost is not None:
                 log.warning(
                     "%s: chunk %d of attempt %d arrived after chunk %d; moving the sequence",
                     seq.request_id, chunk.seq, seq.attempt, seq.next_seq - 1,
                 )
-                self.on_gap(seq)
+                self.on_lost(seq, Loss.CHUNK_LOST)
             return
         seq.next_seq = chunk.seq + 1
         seq.token_ids.extend(chunk.token_ids)

@@ -143,7 +143,7 @@ async def test_replies_lost_after_the_broker_lost_its_log_are_asked_for_again(h:
         await ensure_topics(kafka, {topic: 1})
         async with asyncio.timeout(20):
             await noticed.wait()  # the reader notices on its next idle poll
-        assert fe.svc.demux.reset_at > -math.inf
+        assert fe.svc.migrations.log_lost_at > -math.inf
         # Every reply the worker writes for the first attempt of the next request vanishes, acknowledged.
         producer = w.worker._producer
         assert producer is not None

@@ -64,7 +64,7 @@ def test_an_ending_of_the_frontend_continues_the_numbering() -> None:
 def test_a_missing_chunk_breaks_the_attempt_once_until_a_marker_moves_it() -> None:
     lost: list[str] = []
     s = stream()
-    s.on_gap = lambda seq: lost.append(seq.request_id)
+    s.on_lost = lambda seq, why: lost.append(f"{seq.request_id} {why.name}")
     chunks = [
         Chunk(RID, 0, [1]),
         Chunk(RID, 2, [3]),  # chunk 1 never reached the topic
@@ -75,7 +75,7 @@ def test_a_missing_chunk_breaks_the_attempt_once_until_a_marker_moves_it() -> No
         Chunk(RID, 2, [3], finish_reason="length", attempt=1),
     ]
     out = accepted(s, chunks)
-    assert lost == [RID]
+    assert lost == [f"{RID} CHUNK_LOST"]
     assert out == [(0, 0, [1]), (1, 1, [2]), (2, 1, [3])]
     assert s.sequences[RID].token_ids == [1, 2, 3] and s.finished
 
@@ -92,5 +92,5 @@ def test_a_broken_attempt_still_takes_the_frontends_error_ending() -> None:
 def test_a_replay_drops_what_the_live_stream_dropped_after_a_gap() -> None:
     chunks = [Chunk(RID, 0, [1]), Chunk(RID, 2, [3]), marker(RID, 1, "w2"), Chunk(RID, 1, [2], attempt=1)]
     live = stream()
-    live.on_gap = lambda seq: None
+    live.on_lost = lambda seq, why: None
     assert accepted(live, list(chunks)) == accepted(stream(), list(chunks)) == [(0, 0, [1]), (1, 1, [2])]

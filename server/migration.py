@@ -1,0 +1,424 @@
+"""Moving sequences whose attempt was lost: the frontend's one policy for it, and each sequence's move.
+
+Every loss travels one way. Its detector (the worker pool for a dead worker, the replies reader for a
+log the broker lost, a stream for a missing chunk, the delivery check for a request without answer)
+calls this module; `Migrations` decides for the frontend and each request's `Mover` moves its sequences.
+A sequence's move state (`MoveState`) changes only through `transition`.
+
+A move routes the sequence again as a prompt of the original prompt plus the tokens it has received,
+writes a marker into the replies topic (from there only the new attempt's chunks count, live and in a
+replay), waits until the marker came back, stops the old worker and sends the request to the new one.
+A broker that restarted empty can lose what a move sends (docs/architecture.md, broker quirk "lost again
+after a restart"): a move whose marker or first chunk does not come back in time is made again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol, TypeVar
+
+from aiokafka import AIOKafkaProducer
+
+from bus.produce import refresh_metadata
+from kvstore.kv_index import KVIndex
+from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, GenerateRequest
+from server.delivery import RequestLog
+from server.errors import APIError
+from server.kafka_io import Dispatcher, ReplyDemux
+from server.metrics import FrontendMetrics
+from server.pool import WorkerPool
+from server.preprocess import Prepared
+from server.router import Decision, PromptMemo, Router
+from server.streams import ClientStream, Loss, MoveState, Sequence, marker
+
+log = logging.getLogger("ferry.frontend")
+
+# A move whose marker, or first chunk, did not come back this long after it went out is made again, at most
+# MOVE_STALLS times.
+MOVE_STALL_S = 10.0
+MOVE_STALLS = 3
+# After the broker lost the replies log, how long a first attempt that stays silent past
+# `--delivery-check-s` is sent again although its request is still in the worker's topic: the broker can
+# also lose replies a worker writes in the first seconds after its restart, and then nothing else would
+# ever answer the request. A needless second attempt in that window costs one prefill.
+REPLIES_IN_DOUBT_S = 60.0
+
+T = TypeVar("T")
+
+_TRANSITIONS: dict[MoveState, set[MoveState]] = {
+    MoveState.IN_PLACE: {MoveState.MOVING},
+    MoveState.MOVING: {MoveState.MOVING_AGAIN, MoveState.IN_PLACE},
+    MoveState.MOVING_AGAIN: {MoveState.MOVING, MoveState.IN_PLACE},
+}
+
+
+def transition(seq: Sequence, to: MoveState) -> None:
+    """Change a sequence's move state; a change the machine does not allow is a bug."""
+    if to not in _TRANSITIONS[seq.move]:
+        raise AssertionError(f"{seq.request_id}: no move transition from {seq.move.name} to {to.name}")
+    seq.move = to
+
+
+class Migrations:
+    """The frontend's policy for lost workers and lost logs: which sequences move, what is logged and counted."""
+
+    def __init__(
+        self,
+        demux: ReplyDemux,
+        dispatcher: Dispatcher,
+        producer: AIOKafkaProducer,
+        router: Router,
+        index: KVIndex,
+        metrics: FrontendMetrics,
+        migration_limit: int,
+        grace_s: float,
+        spawn: Callable[[Awaitable[Any]], None],
+    ) -> None:
+        self._demux = demux
+        self._dispatcher = dispatcher
+        self._producer = producer
+        self._router = router
+        self._index = index
+        self._metrics = metrics
+        self._limit = migration_limit
+        self._grace_s = grace_s
+        self._spawn = spawn
+        # Monotonic time the broker was last seen to have lost the replies log (REPLIES_IN_DOUBT_S).
+        self.log_lost_at = -math.inf
+
+    def worker_gone(self, worker_id: str, restarted: bool) -> None:
+        """A worker left the registry (or restarted under its id): its open sequences move.
+
+        A worker that drained cleanly left after its last chunks were acknowledged; the reply reader gets
+        `grace_s` (one heartbeat) to deliver them before anything still open counts as lost.
+        """
+        asyncio.get_running_loop().call_later(self._grace_s, self._lose, worker_id)
+        self._router.forget_worker(worker_id)
+        if not restarted:  # a restarted worker swept its own entries and is publishing new ones
+            self._spawn(self._index.clear_worker(worker_id))
+
+    def log_lost(self) -> None:
+        """The broker lost the replies log (an empty restart): every open sequence is sent again.
+
+        The producer's metadata is refreshed too, or what it writes next may stay unseen for a while
+        (docs/architecture.md, broker quirk "stale producer metadata"; moves have a watchdog).
+        """
+        self.log_lost_at = time.monotonic()
+        self._lose(None)
+        self._spawn(refresh_metadata(self._producer))
+
+    def _lose(self, worker_id: str | None) -> None:
+        what = f"worker {worker_id} stopped responding" if worker_id else "the message broker lost its log"
+        why = Loss.WORKER_DIED if worker_id else Loss.LOG_LOST
+        error = ErrorInfo("worker_died", what, retriable=True)
+        lost = self._demux.open_sequences(worker_id)
+        if not lost:
+            return
+        self._metrics.worker_failures.inc(len(lost))
+        log.error("%s with %d sequence(s) in flight; moving them (migration limit %d)", what, len(lost), self._limit)
+        for stream, seq in lost:
+            if stream.on_lost is not None:
+                # A moving sequence sends the Cancel itself, once its old worker's late chunks no longer count.
+                stream.on_lost(seq, why)
+                continue
+            stream.fail(seq.request_id, error)
+            if worker_id is not None:
+                # A worker that only missed heartbeats (a pause, a Redis hiccup) is still generating: stop it.
+                self._spawn(self._dispatcher.cancel(worker_id, seq.request_id))
+
+
+class MovingRequest(Protocol):
+    """What a mover needs of the request whose sequences it moves (server/generation.py's Generation)."""
+
+    prepared: Prepared
+    reply_topic: str
+    stream: ClientStream
+
+    @property
+    def closed(self) -> bool:
+        """The reader is gone: nothing of this request may start any more."""
+        ...
+
+    def submitted(self, seq: Sequence) -> bool:
+        """True while the sequence holds router load (routed and not released)."""
+        ...
+
+    async def choose(self, memo: PromptMemo) -> Decision:
+        """A routing decision, waiting (bounded) while every worker is busy."""
+        ...
+
+    def request_for(self, seq: Sequence, generated: list[int] | None = None) -> GenerateRequest:
+        """The GenerateRequest of one sequence; with `generated`, of its next attempt."""
+        ...
+
+    def fail(self, seq: Sequence, message: str, code: str = "worker_died") -> None:
+        """End a sequence with an error of the frontend's own."""
+        ...
+
+    def end(self, seq: Sequence, chunk: Chunk | None) -> None:
+        """End a sequence with a chunk of the frontend's own."""
+        ...
+
+    def own(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        """Run `coro` as a task of the request's (cancelled when it closes)."""
+        ...
+
+
+class Services(Protocol):
+    """The frontend's parts a move uses."""
+
+    pool: WorkerPool
+    router: Router
+    dispatcher: Dispatcher
+    metrics: FrontendMetrics
+    migrations: Migrations
+    requests: RequestLog
+    migration_limit: int
+    busy_wait_s: float
+    request_timeout_s: float
+    delivery_check_s: float
+
+
+class Mover:
+    """Moves the sequences of one request, one move at a time per sequence."""
+
+    def __init__(self, req: MovingRequest, svc: Services) -> None:
+        self._req = req
+        self._svc = svc
+
+    def lost(self, seq: Sequence, why: Loss) -> None:
+        """The sequence's attempt can no longer deliver: move it (in the background)."""
+        if self._req.closed or seq.finished:
+            return
+        if why is Loss.WORKER_DIED:
+            seq.moves += 1  # what --migration-limit bounds; the broker's losses are not the request's doing
+        elif why is Loss.CHUNK_LOST:
+            self._svc.metrics.reply_gaps.inc()
+        if seq.move is not MoveState.IN_PLACE:
+            # Lost again while moving: two moves at once would both claim the next attempt with different
+            # tokens so far. (A broker that loses its log twice, as the embedded one does after an empty
+            # restart, takes the move's own marker or request with it.) Move once more when this move is
+            # done, or at once if it still waits for its marker, which may have gone with the log.
+            if seq.move is MoveState.MOVING:
+                transition(seq, MoveState.MOVING_AGAIN)
+            seq.switched.set()
+            seq.progressed.set()
+            return
+        transition(seq, MoveState.MOVING)
+        self._req.own(self._migrate(seq), f"migrate-{seq.request_id}")
+
+    def watch(self, seq: Sequence, request: GenerateRequest, offset: int) -> None:
+        """Send a first attempt again if it gets no answer and the broker no longer holds its request."""
+
+        async def watch() -> None:
+            lost = await self._unanswered(seq, request, offset)
+            if lost is None or seq.move is not MoveState.IN_PLACE:
+                return
+            self._svc.metrics.requests_lost.inc()
+            log.warning(
+                "%s: no answer from worker %s after %.0fs and %s; sending it again",
+                seq.request_id, seq.worker_id, self._svc.delivery_check_s, lost,
+            )
+            self.lost(seq, Loss.REQUEST_LOST)
+
+        self._req.own(watch(), f"watch-{seq.request_id}")
+
+    async def _migrate(self, seq: Sequence) -> None:
+        try:
+            while True:
+                sent = await self._move(seq)
+                if seq.move is MoveState.MOVING and sent is not None and not await self._started(seq, sent):
+                    self._stalled(seq, f"nothing came from worker {seq.worker_id} within {MOVE_STALL_S:.0f}s")
+                if seq.move is MoveState.MOVING or seq.finished or self._req.closed:
+                    return
+                transition(seq, MoveState.MOVING)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("migrating %s failed", seq.request_id)
+            self._req.fail(seq, f"could not move the sequence: {exc!r}")
+        finally:
+            transition(seq, MoveState.IN_PLACE)
+
+    def _stalled(self, seq: Sequence, what: str) -> None:
+        """A move went wrong (its marker or request lost): move again, a few times; then give up."""
+        if seq.stalls == MOVE_STALLS:
+            self._req.fail(seq, f"moving the sequence failed: {what}, {MOVE_STALLS + 1} times")
+            return
+        seq.stalls += 1
+        log.warning("%s: %s; moving it again", seq.request_id, what)
+        if seq.move is MoveState.MOVING:  # (lost again meanwhile: it moves again anyway)
+            transition(seq, MoveState.MOVING_AGAIN)
+
+    async def _started(self, seq: Sequence, request: GenerateRequest) -> bool:
+        """True once the moved sequence produced a chunk (or ended, or was lost again); False after
+        MOVE_STALL_S without any.
+
+        A timer, not the delivery check: after an empty restart the broker can also refuse a worker's
+        replies for good (a replies topic it re-created from a produce), and a move made again is what gets
+        the stream going then. A move is rare enough that one made again under a prefill longer than
+        MOVE_STALL_S costs little.
+        """
+        try:
+            async with asyncio.timeout(MOVE_STALL_S):
+                while seq.next_seq <= request.seq_base and not seq.finished and seq.move is MoveState.MOVING:
+                    seq.progressed.clear()
+                    await seq.progressed.wait()
+        except TimeoutError:
+            return seq.finished or self._req.closed
+        return True
+
+    async def _unanswered(self, seq: Sequence, request: GenerateRequest, offset: int) -> str | None:
+        """Wait for the attempt sent at `offset` to produce a chunk (or to be ended or lost otherwise):
+        None. After `delivery_check_s` without one, why it must be sent again: the broker no longer holds
+        its request, or it lost its log lately, so the worker's replies may be gone too.
+
+        Otherwise a request still in the log is waiting for its worker (a long prefill, a queue): wait on.
+        """
+        svc = self._svc
+
+        def waiting() -> bool:
+            return (
+                seq.next_seq <= request.seq_base
+                and seq.attempt == request.attempt
+                and not seq.finished
+                and not self._req.closed
+                and seq.move is not MoveState.MOVING_AGAIN
+            )
+
+        while waiting():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(svc.delivery_check_s):
+                    while waiting():
+                        seq.progressed.clear()
+                        await seq.progressed.wait()
+            if waiting():
+                held = await svc.requests.holds(seq.worker_id, offset, request)
+                if held is False and waiting():
+                    return "the broker no longer holds its request (restarted empty?)"
+                in_doubt = time.monotonic() - svc.migrations.log_lost_at < REPLIES_IN_DOUBT_S
+                if held and waiting() and in_doubt:
+                    return "the broker lost its log lately (its replies may be gone with it)"
+        return None
+
+    async def _move(self, seq: Sequence) -> GenerateRequest | None:
+        """Send the prompt and the tokens so far to another worker; its chunks continue the stream.
+
+        Returns the request it sent, if it sent one.
+        """
+        svc, req = self._svc, self._req
+        # A move abandoned before its request went out leaves the worker that really runs the sequence here.
+        old = seq.moved_from or seq.decision.worker_id
+        if seq.moves > svc.migration_limit:
+            req.fail(
+                seq,
+                f"worker {old} stopped responding; the sequence already moved {seq.moves - 1} time(s) "
+                f"(migration limit {svc.migration_limit})",
+            )
+            return None
+        decision = await self._reroute(seq, old)
+        if decision is None or seq.finished or req.closed or not req.submitted(seq):
+            return None
+        # Load moves with the sequence (no await between the check above and these lines).
+        svc.router.finished(seq.decision)
+        svc.router.started(decision)
+        seq.decision = decision
+        seq.moved_from = old
+        target = seq.attempt + 1
+        if not await self._mark(seq, target, old):
+            return None
+        # Only now may the old worker be stopped: its abort would otherwise have ended the sequence. (It
+        # may be alive after all, e.g. its heartbeats were late; it may even be the worker chosen now.)
+        await svc.dispatcher.cancel(old, seq.request_id)
+        seq.moved_from = ""
+        if seq.finished:
+            return None  # the old worker's last chunk landed before the marker
+        generated = list(seq.token_ids)
+        if len(generated) >= req.prepared.max_tokens:
+            # Every token arrived but not the final chunk: end it here, as the worker would have.
+            usage = ChunkUsage(seq.prompt_len, len(generated))
+            req.end(seq, Chunk(seq.request_id, seq.next_seq, finish_reason="length", usage=usage,
+                               worker_id=old, attempt=seq.attempt))  # fmt: skip
+            return None
+        log.warning(
+            "moving %s from worker %s to %s (attempt %d, %d token(s) so far)",
+            seq.request_id, old, decision.worker_id, target, len(generated),
+        )
+        request = req.request_for(seq, generated)
+        try:
+            # No cancel behind a timed-out copy: the next copy is the same attempt and must run (the worker
+            # runs whichever arrives first and drops the other as a duplicate).
+            await self._while_broker_away(
+                lambda: svc.dispatcher.submit(decision.worker_id, request, cancel_on_timeout=False)
+            )
+        except APIError as exc:
+            req.fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc.message}")
+            return None
+        return request
+
+    async def _reroute(self, seq: Sequence, old: str) -> Decision | None:
+        """A new worker for the sequence. A worker may be on its way (a restart, or this one back after a
+        late heartbeat): wait for one as long as for a busy one, then give up with a clear error."""
+        svc = self._svc
+        memo = PromptMemo(self._req.prepared.prompts[seq.prompt_index] + seq.token_ids)
+        give_up = time.monotonic() + svc.busy_wait_s
+        while True:
+            try:
+                return await self._req.choose(memo)
+            except APIError as exc:
+                remaining = give_up - time.monotonic()
+                if exc.code != "no_workers" or remaining <= 0:
+                    self._req.fail(
+                        seq, f"worker {old} stopped responding and no other worker can take over: {exc.message}"
+                    )
+                    return None
+                await svc.pool.wait_refreshed(remaining)
+
+    async def _mark(self, seq: Sequence, target: int, old: str) -> bool:
+        """Write the marker of attempt `target` into the replies topic and wait until it came back.
+
+        From where it lands, only chunks of the new attempt count, for this stream and any replay of it.
+        False if the move must stop here (failed, or to be started over).
+        """
+        req = self._req
+        seq.switched.clear()
+        try:
+            await self._while_broker_away(
+                lambda: self._svc.dispatcher.note(req.reply_topic, marker(seq.request_id, target, seq.worker_id))
+            )
+        except APIError as exc:
+            req.fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc!r}")
+            return False
+        try:
+            async with asyncio.timeout(MOVE_STALL_S):
+                while seq.attempt < target and not seq.finished:
+                    await seq.switched.wait()
+                    seq.switched.clear()
+                    if seq.move is MoveState.MOVING_AGAIN and seq.attempt < target:
+                        # Lost again before the marker came back: the broker may have lost it too. Start
+                        # over; no request went out, so the next move may claim the same attempt.
+                        return False
+        except TimeoutError:
+            self._stalled(seq, f"its marker did not come back within {MOVE_STALL_S:.0f}s")
+            return False
+        return True
+
+    async def _while_broker_away(self, send: Callable[[], Awaitable[T]]) -> T:
+        """Send, and send again while the broker is unavailable, up to --request-timeout-s.
+
+        A worker often dies together with the broker's outage (or the broker's restart is what lost the
+        sequence): the move must outlast it, not fail on it. Each attempt waits up to --kafka-timeout-s
+        for the broker, which paces the retries.
+        """
+        give_up = time.monotonic() + self._svc.request_timeout_s
+        while True:
+            try:
+                return await send()
+            except APIError as exc:
+                if exc.code != "broker_unavailable" or time.monotonic() > give_up or self._req.closed:
+                    raise
