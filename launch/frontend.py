@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def drain() -> None:
         # uvicorn stops listening at once; a request that still reaches the app gets 503 shutting_down.
-        app.state.frontend.draining = True
+        app.state.gate.draining = True
 
     ReadyServer(config, announce=True, on_exit=drain).run()
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 from starlette.responses import Response
 
+from schemas.kafka import ErrorInfo
 from schemas.openai import ErrorDetail, ErrorResponse, FieldError, json_encoder
 
 # OpenAI calls every client error but rate limiting `invalid_request_error`, a bad or missing API key too.
@@ -96,3 +97,12 @@ def model_not_found(model: str) -> APIError:
         param="model",
         code="model_not_found",
     )
+
+
+def error_status(error: ErrorInfo) -> APIError:
+    """The HTTP error for a sequence that failed before anything was streamed."""
+    if error.code == "context_length_exceeded":
+        return APIError(400, error.message, code=error.code)
+    if error.retriable:
+        return APIError(503, error.message, code=error.code, retry_after=1)
+    return APIError(500, error.message, code=error.code)

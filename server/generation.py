@@ -320,12 +320,3 @@ class Generation:
         finally:
             self.resumable = False
             await self.close()
-
-
-def error_status(error: ErrorInfo) -> APIError:
-    """The HTTP error for a sequence that failed before anything was streamed."""
-    if error.code == "context_length_exceeded":
-        return APIError(400, error.message, code=error.code)
-    if error.retriable:
-        return APIError(503, error.message, code=error.code, retry_after=1)
-    return APIError(500, error.message, code=error.code)

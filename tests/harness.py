@@ -17,7 +17,8 @@ import uvicorn
 from launch.frontend import ReadyServer
 from launch.services import Child, free_port
 from schemas.settings import FrontendSettings, WorkerSettings
-from server.app import Frontend, create_app
+from server.app import create_app
+from server.frontend import Frontend
 from workers.engine_choice import build_engine
 from workers.worker import Worker
 
@@ -63,7 +64,6 @@ class Harness:
         running = RunningWorker(worker, shutdown, task)
         self.workers.append(running)
         for fe in self.frontends:
-            assert fe.svc is not None
             await fe.svc.pool.refresh()
         return running
 

@@ -147,7 +147,7 @@ async def run(samples: int, k: int, model_path: str) -> dict[str, Any]:
     stask = asyncio.create_task(server.serve())
     await server.bound.wait()
     fe = app.state.frontend
-    await until(lambda: bool(fe.svc and fe.svc.pool.live(MODEL)))
+    await until(lambda: bool(fe.pool.live(MODEL)))
     engine = worker.engine
     results: dict[str, list[list[float]]] = {}
     marks = Marks()

@@ -15,13 +15,11 @@ import msgspec
 from schemas.batch import BatchEndpoint, ItemMeta, LineError, OutputLine, ResponseRecord
 from schemas.kafka import GenerateRequest, PoolItem, request_encoder
 from schemas.openai import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    chat_request_decoder,
-    completion_request_decoder,
     json_encoder,
 )
-from server.errors import APIError, from_validation_error, model_not_found
+from server.errors import APIError, model_not_found
+from server.http import decode
+from server.kinds import BY_PATH
 from server.preprocess import Prepared, Preprocessor
 
 
@@ -122,14 +120,8 @@ class ItemPreparer:
     async def _prepared(
         self, endpoint: BatchEndpoint, body: bytes, max_model_len: int
     ) -> tuple[Prepared, str, bool]:
-        req: ChatCompletionRequest | CompletionRequest
-        try:
-            if endpoint == "/v1/chat/completions":
-                req = chat_request_decoder.decode(body)
-            else:
-                req = completion_request_decoder.decode(body)
-        except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
-            raise from_validation_error(exc) from None
+        kind = BY_PATH[endpoint]
+        req = decode(kind.decoder, body)
         if req.model != self.model:
             raise model_not_found(req.model)
         if req.stream:
@@ -139,9 +131,7 @@ class ItemPreparer:
                 param="stream",
                 code="invalid_value",
             )
-        if isinstance(req, ChatCompletionRequest):
-            return await self.pre.chat(req, max_model_len), req.model, False
-        return await self.pre.completion(req, max_model_len), req.model, req.echo
+        return await kind.prepare(self.pre, req, max_model_len), req.model, kind.echo(req)
 
 
 def new_request_id() -> str:

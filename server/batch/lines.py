@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 
 from schemas.batch import ItemMeta
 from schemas.kafka import Chunk, ErrorInfo
-from schemas.openai import ChatCompletion, Completion, Usage, json_encoder
-from server.errors import APIError
-from server.generation import error_status
-from server.responses import ChoiceState, LogprobFormatter, absorb, chat_completion, text_completion
+from schemas.openai import Usage, json_encoder
+from server.errors import APIError, error_status
+from server.kinds import BY_PATH
+from server.logprobs import LogprobFormatter
+from server.responses import absorb
+from server.shapes import ChoiceState, Finished
 
 # Errors that mean "this worker stopped before finishing", not "this request failed": the item comes back.
 INTERRUPTED = frozenset({"worker_stopped", "engine_dead", "worker_died"})
@@ -102,33 +104,14 @@ def build(meta: ItemMeta, item: ItemChunks, fmt: LogprobFormatter) -> ItemResult
     for k in range(sequences_of(meta)):
         state = states[k] = ChoiceState()
         absorb(state, item.done.get(k, []))
-    created = int(time.time())
-    body: ChatCompletion | Completion
-    if meta.endpoint == "/v1/chat/completions":
-        body = chat_completion(
-            f"chatcmpl-{secrets.token_hex(12)}",
-            created,
-            meta.model,
-            states,
-            fmt,
-            meta.logprobs,
-            meta.prompt_lens,
-            meta.n,
-        )
-    else:
-        body = text_completion(
-            f"cmpl-{secrets.token_hex(12)}",
-            created,
-            meta.model,
-            states,
-            fmt,
-            meta.logprobs,
-            meta.prompt_lens,
-            meta.n,
-            meta.echo_texts or None,
-        )
+    kind = BY_PATH[meta.endpoint]
+    done = Finished(
+        f"{kind.id_prefix}-{secrets.token_hex(12)}", int(time.time()), meta.model, states, meta.logprobs,
+        meta.prompt_lens, meta.n, meta.echo_texts or None,
+    )  # fmt: skip
+    body = kind.whole(done, fmt)
     usage = body.usage
-    assert isinstance(usage, Usage)
+    assert isinstance(usage, Usage)  # a whole body always has one
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
     return ItemResult(
         True, json_encoder.encode(body), 200, usage.prompt_tokens, cached or 0, usage.completion_tokens

@@ -27,7 +27,7 @@ from schemas.kafka import Chunk, reply_decoder
 from schemas.names import batch_results_group, batch_results_topic
 from server.batch.items import response_line, split_item_id, split_sequence_id, unrun_line
 from server.batch.lines import ItemChunks, build, sequences_of
-from server.responses import LogprobFormatter
+from server.logprobs import LogprobFormatter
 
 log = logging.getLogger("ferry.batch")
 

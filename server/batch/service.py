@@ -17,8 +17,8 @@ from schemas.status import WorkerStatus
 from server.batch.coordinator import BatchCoordinator
 from server.batch.intake import KafkaIntake
 from server.batch.results import ResultCollector
+from server.logprobs import LogprobFormatter
 from server.preprocess import Preprocessor
-from server.responses import LogprobFormatter
 
 log = logging.getLogger("ferry.batch")
 

@@ -124,7 +124,6 @@ async def test_replies_lost_after_the_broker_lost_its_log_are_asked_for_again(h:
     sent again anyway."""
     w = await h.add_worker()
     fe, url = await h.add_frontend(delivery_check_s=1.0, request_timeout_s=60.0)
-    assert fe.svc is not None
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}
     async with httpx.AsyncClient(base_url=url, timeout=30) as c:
         assert (await c.post("/v1/chat/completions", json=body)).status_code == 200

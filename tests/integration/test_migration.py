@@ -270,7 +270,6 @@ async def test_worker_back_after_a_late_heartbeat_takes_its_own_sequence_over(
                     if len(events) == 5:
                         # Until the frontend's view (refreshed every half heartbeat) has missed it once.
                         redis = aioredis.from_url(redis_url)
-                        assert fe.svc is not None
                         for _ in range(200):
                             await Registry(redis, RedisKeys(prefix)).remove(wid)
                             await asyncio.sleep(0.02)

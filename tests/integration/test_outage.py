@@ -252,7 +252,7 @@ async def test_redis_outage_keeps_serving_and_heartbeats_resume(services: Servic
 
         # The restarted Redis is empty: the worker's heartbeats register it again by themselves.
         await until(registered_again, RECOVERY_DEADLINE_S, "the worker re-registering in the new Redis")
-        assert fe.svc is not None and wid in fe.svc.pool.workers
+        assert wid in fe.svc.pool.workers
         for stream in (False, True):
             assert await served(c, stream=stream)
     assert not w.task.done()

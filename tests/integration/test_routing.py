@@ -66,12 +66,11 @@ async def test_two_frontends_share_load(h: Harness) -> None:
         }
         async with c1.stream("POST", "/v1/completions", json=long_body) as r1:
             busy = r1.headers["x-ferry-worker"]
-            assert fe1.router.local[busy].sequences == 1
+            assert fe1.svc.router.local[busy].sequences == 1
             # Frontend 1 publishes its load on its next refresh; frontend 2 reads it on its own.
-            assert fe1.svc is not None and fe2.svc is not None
             await fe1.svc.pool.refresh()
             await fe2.svc.pool.refresh()
-            assert fe2.router.remote[busy].sequences == 1
+            assert fe2.svc.router.remote[busy].sequences == 1
             for i in range(4):
                 r = await _complete(c2, _prompt(10 + i, 100))
                 assert r.headers["x-ferry-worker"] != busy
@@ -91,12 +90,11 @@ async def test_dead_worker_leaves_the_index(
         chain = block_hashes(prompt, 64, chain_seed(MODEL))
         assert (await index.overlaps(MODEL, chain)) == {"victim": 10}
         child.kill()
-        assert fe.svc is not None
         async with asyncio.timeout(20):
             while "victim" in fe.svc.pool.workers:
                 await fe.svc.pool.wait_changed()
         # The sweep was started in the background when the worker was seen dead.
-        await asyncio.wait_for(asyncio.gather(*fe.background), 10)
+        await asyncio.wait_for(asyncio.gather(*fe.background.tasks), 10)
         assert await index.overlaps(MODEL, chain) == {}
     finally:
         await child.stop()
@@ -114,8 +112,7 @@ async def test_redis_stopped_and_restarted(kafka: str, prefix: str, model_path: 
             # Routing degrades to local load; requests still flow over Kafka.
             for i in range(3):
                 await _complete(c, [*_prompt(1, 200), i + 5])
-            assert not fe.router.index_ok
-            assert fe.svc is not None
+            assert not fe.svc.router.index_ok
             assert not await fe.svc.pool.tick()
             assert not fe.svc.pool.redis_ok
             assert w.worker.settings.worker_id in fe.svc.pool.workers  # the last known view is kept
@@ -127,9 +124,9 @@ async def test_redis_stopped_and_restarted(kafka: str, prefix: str, model_path: 
             # The index counts as back once its lookups have gone a second without an error.
             for _ in range(200):  # each a real request; bounded
                 await _complete(c, _prompt(2, 200))
-                if fe.router.index_ok:
+                if fe.svc.router.index_ok:
                     break
-            assert fe.router.index_ok
+            assert fe.svc.router.index_ok
     await redis_child.stop()
 
 

@@ -21,7 +21,7 @@ from kvstore.registry import Registry
 from launch.services import Child
 from schemas.names import RedisKeys
 from schemas.status import WorkerStatus
-from server.app import Frontend
+from server.frontend import Frontend
 from tests.harness import Harness
 
 HEARTBEAT_S = 0.5
@@ -99,7 +99,6 @@ class VllmStack:
         self.children[i] = child
         await child.wait_for_line(lambda line: line.startswith("ferry-worker-ready"), 240)
         if self.frontend is not None:
-            assert self.frontend.svc is not None
             await self.frontend.svc.pool.refresh()
         return child
 

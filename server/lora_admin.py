@@ -1,8 +1,7 @@
-"""LoRA adapters at runtime: the frontend's admin endpoints and the Kafka exchange behind them.
+"""LoRA adapters at runtime: the Kafka exchange behind the frontend's admin endpoints (server/routes.py).
 
-`POST /v1/admin/load_lora_adapter` and `/v1/admin/unload_lora_adapter` take vLLM's bodies
-(`{"lora_name", "lora_path"}`), send `LoadLora`/`UnloadLora` to the workers' request topics and wait
-for each worker's `LoraAck` on this frontend's admin topic. Workers publish their adapters in their
+Loads and unloads take vLLM's bodies (`{"lora_name", "lora_path"}`), send `LoadLora`/`UnloadLora` to the
+workers' request topics and wait for each worker's `LoraAck` on this frontend's admin topic. Workers publish their adapters in their
 heartbeats, which is what routing and `/v1/models` read; `GET /v1/admin/lora_adapters` lists them.
 """
 
@@ -11,39 +10,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
-import msgspec
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from bus.reader import Batch, Hooks, Options, Poll, Reader, Tail
 from schemas.admin import (
     LoadLoraAdapterRequest,
     LoraAdapter,
-    LoraAdapterList,
     UnloadLoraAdapterRequest,
-    load_lora_decoder,
-    unload_lora_decoder,
 )
 from schemas.kafka import LoadLora, LoraAck, UnloadLora, admin_reply_decoder, request_encoder
 from schemas.names import request_topic
-from schemas.openai import json_encoder
 from schemas.status import WorkerStatus
-from server.errors import APIError, from_validation_error
+from server.errors import APIError
 from server.pool import WorkerPool
-
-if TYPE_CHECKING:
-    from server.app import Frontend
 
 log = logging.getLogger("ferry.frontend")
 
 T = TypeVar("T")
-Handler = Callable[["Frontend", Request], Awaitable[Response]]
 
 # How long a worker may take to answer a load or unload (vLLM loads a small adapter in well under 1 s).
 ACK_TIMEOUT_S = 30.0
@@ -280,49 +267,3 @@ class LoraAdmin:
                 code="worker_timeout",
             )
         return done
-
-
-# ---- HTTP routes -------------------------------------------------------------------------------------
-
-
-def _decode(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
-    try:
-        return decoder.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise from_validation_error(exc) from None
-
-
-def _json(obj: object) -> Response:
-    return Response(json_encoder.encode(obj), media_type="application/json")
-
-
-def _admin(fe: Frontend) -> LoraAdmin:
-    if fe.lora_admin is None:
-        raise APIError(503, "The frontend is starting.", code="frontend_unavailable", retry_after=1)
-    return fe.lora_admin
-
-
-async def load_lora_adapter(fe: Frontend, request: Request) -> Response:
-    """POST /v1/admin/load_lora_adapter."""
-    body = _decode(load_lora_decoder, await fe.body(request))
-    return _json(await _admin(fe).load(body))
-
-
-async def unload_lora_adapter(fe: Frontend, request: Request) -> Response:
-    """POST /v1/admin/unload_lora_adapter."""
-    body = _decode(unload_lora_decoder, await fe.body(request))
-    return _json(await _admin(fe).unload(body))
-
-
-async def list_lora_adapters(fe: Frontend, request: Request) -> Response:
-    """GET /v1/admin/lora_adapters."""
-    return _json(LoraAdapterList(data=_admin(fe).listing()))
-
-
-def routes(wrap: Callable[[str], Callable[[Handler], Any]]) -> list[Route]:
-    """The admin routes, each wrapped by the app's handler decorator (errors, metrics)."""
-    return [
-        Route("/v1/admin/load_lora_adapter", wrap("admin")(load_lora_adapter), methods=["POST"]),
-        Route("/v1/admin/unload_lora_adapter", wrap("admin")(unload_lora_adapter), methods=["POST"]),
-        Route("/v1/admin/lora_adapters", wrap("admin")(list_lora_adapters), methods=["GET"]),
-    ]

@@ -1,0 +1,128 @@
+"""The generation endpoints' handlers: one for a new request of either kind, one for resuming its stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from schemas.streams import StreamRecord
+from server.errors import APIError
+from server.frontend import Frontend
+from server.generation import Generation, new_id
+from server.http import decode, json_response, read_body, route, until_disconnect
+from server.kinds import KINDS, Kind
+from server.responses import collect, stream
+from server.resume import Replay, parse_last_event_id
+from server.shapes import Finished
+from server.sse import SSEResponse
+
+log = logging.getLogger("ferry.frontend")
+
+
+def _headers(gen: Generation) -> dict[str, str]:
+    return {
+        "x-request-id": gen.id,
+        "x-ferry-worker": ",".join(gen.worker_ids),
+        "x-ferry-predicted-cached-blocks": str(gen.predicted_cached_blocks),
+    }
+
+
+def _wants_resumable(request: Request) -> bool:
+    return request.headers.get("x-ferry-resumable", "").strip().lower() in ("1", "true", "yes")
+
+
+async def _remember(fe: Frontend, gen: Generation, kind: Kind, echo: bool) -> dict[str, str]:
+    """Save a resumable stream's record; headers telling the client whether it can resume."""
+    if not gen.resumable:
+        return {}
+    spec = gen.spec
+    record = StreamRecord(
+        topic=gen.reply_topic, offset=gen.first_offset, kind=kind.name, model=gen.model, created=gen.created,
+        n=spec.n, prompt_lens=spec.prompt_lens, include_usage=spec.include_usage, logprobs=spec.logprobs,
+        echo_texts=spec.prompt_texts if echo else [], frontend_id=fe.settings.frontend_id,
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(fe.settings.kafka_timeout_s):
+            await fe.svc.resume.save(gen.id, record)
+    except Exception as exc:
+        # Still served, just not resumable: it is cancelled when the client leaves, as usual.
+        log.warning("could not save the resume record of %s (%r); it will not be resumable", gen.id, exc)
+        gen.resumable = False
+        return {"x-ferry-resumable": "0"}
+    return {"x-ferry-resumable": "1"}
+
+
+async def _generate(kind: Kind, fe: Frontend, request: Request) -> Response:
+    """POST of a new request: decode, prepare, route and submit; then stream it or answer it whole."""
+    req = decode(kind.decoder, await read_body(request, fe.settings.max_body_bytes))
+    max_len = fe.max_model_len(req.model)
+    with fe.metrics.tokenize_seconds.time():
+        prepared = await kind.prepare(fe.pre, req, max_len)
+    if fe.settings.log_prompts:
+        log.info("%s prompt(s): %r", kind.name, prepared.prompt_texts)  # only when asked: prompts are private
+    fe.metrics.prompt_tokens.inc(sum(len(p) for p in prepared.prompts))
+    resumable = _wants_resumable(request) and prepared.stream
+    gen = Generation(fe.svc, req.model, prepared, new_id(kind.id_prefix), resumable=resumable)
+    await gen.start()
+    echo = kind.echo(req)
+    if prepared.stream:
+        headers = {**_headers(gen), **await _remember(fe, gen, kind, echo)}
+        return SSEResponse(stream(gen, kind.events(gen, fe.fmt, echo)), headers)  # type: ignore[return-value]
+    try:
+        states = await until_disconnect(request, collect(gen))
+    finally:
+        await gen.close()
+    spec = gen.spec
+    done = Finished(gen.id, gen.created, gen.model, states, spec.logprobs, spec.prompt_lens, spec.n,
+                    spec.prompt_texts if echo else None)  # fmt: skip
+    return json_response(kind.whole(done, fe.fmt), _headers(gen))
+
+
+async def _resume(kind: Kind, fe: Frontend, request: Request) -> Response:
+    """GET of the rest of a resumable stream: the events after `Last-Event-ID` (all of them without it),
+    then the request live."""
+    rid = request.path_params["id"]
+    after = parse_last_event_id(request.headers.get("last-event-id"))
+    if after < -1:
+        raise APIError(400, "Last-Event-ID must be the integer id of an event of this stream.",
+                       param="Last-Event-ID", code="invalid_last_event_id")  # fmt: skip
+    try:
+        async with asyncio.timeout(fe.settings.kafka_timeout_s):
+            record = await fe.svc.resume.load(rid)
+    except Exception as exc:
+        raise APIError(503, "Resumable streams are unavailable right now (Redis).", code="redis_unavailable",
+                       retry_after=2) from exc  # fmt: skip
+    if record is None or KINDS.get(record.kind) is not kind:
+        raise APIError(404, f"No resumable stream `{rid}` (unknown, not resumable, or expired).",
+                       code="stream_not_found")  # fmt: skip
+    s = fe.settings
+    replay = Replay(rid, record, s.kafka, fe.svc.resume, s.sse_keepalive_s, s.request_timeout_s,
+                    s.resume_grace_s, s.kafka_fetch_wait_ms)  # fmt: skip
+    try:
+        async with asyncio.timeout(s.kafka_timeout_s):
+            await replay.start()
+    except Exception as exc:
+        await replay.close()
+        raise APIError(503, "The message broker is unavailable; try again shortly.", code="broker_unavailable",
+                       retry_after=2) from exc  # fmt: skip
+    events = stream(replay, kind.events(replay, fe.fmt, bool(record.echo_texts)), after)
+    return SSEResponse(events, {"x-request-id": rid, "x-ferry-resumable": "1"})  # type: ignore[return-value]
+
+
+def routes(kind: Kind) -> list[Route]:
+    """The routes of one generation endpoint: POST a request, GET the rest of a resumable stream."""
+
+    async def generate(fe: Frontend, request: Request) -> Response:
+        return await _generate(kind, fe, request)
+
+    async def resume(fe: Frontend, request: Request) -> Response:
+        return await _resume(kind, fe, request)
+
+    return [
+        Route(kind.path, route(kind.metric, admit=True)(generate), methods=["POST"]),
+        Route(f"{kind.path}/{{id}}/stream", route("resume")(resume), methods=["GET"]),
+    ]

@@ -1,0 +1,159 @@
+"""HTTP plumbing of the frontend's routes: admission, body limits, errors as OpenAI bodies, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import msgspec
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from schemas.openai import json_encoder
+from server.errors import APIError, from_validation_error
+from server.frontend import Frontend
+from server.metrics import FrontendMetrics
+from server.sse import SSEResponse
+
+T = TypeVar("T")
+Handler = Callable[[Frontend, Request], Awaitable[Response]]
+
+
+class Gate:
+    """Requests in flight and whether new ones are taken; exists before the frontend starts (SIGTERM)."""
+
+    def __init__(self, max_concurrent: int, metrics: FrontendMetrics) -> None:
+        self._max = max_concurrent
+        self._metrics = metrics
+        self.inflight = 0
+        self.draining = False  # set on SIGTERM (launch/frontend.py): finish open work, take no new
+
+    def enter(self) -> None:
+        """A request arrived (counted even if it is refused)."""
+        self.inflight += 1
+        self._metrics.inflight.inc()
+
+    def leave(self) -> None:
+        """A request left (its response, streamed or not, is over)."""
+        self.inflight -= 1
+        self._metrics.inflight.dec()
+
+    def admit(self) -> None:
+        """Refuse work while draining or over the concurrency limit."""
+        if self.draining:
+            raise APIError(
+                503, "This frontend is shutting down; try again shortly.", code="shutting_down", retry_after=1
+            )
+        # `inflight` already counts this request.
+        if self.inflight > self._max:
+            raise APIError(503, "The server is at capacity; try again shortly.", code="overloaded", retry_after=1)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing anything over `limit` bytes without reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"Request body larger than {limit} bytes.", code="body_too_large")
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise APIError(413, f"Request body larger than {limit} bytes.", code="body_too_large")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def decode(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
+    """Decode a JSON body; a violation is a 400 naming the field."""
+    try:
+        return decoder.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise from_validation_error(exc) from None
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnect()
+    return task.result()
+
+
+class _HeldInFlight:
+    """A streamed response that keeps its request's place among those in flight until the stream ends."""
+
+    def __init__(self, response: SSEResponse, gate: Gate) -> None:
+        self.response = response
+        self.status_code = 200
+        self._gate = gate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Send the stream, then give the place back whatever happened."""
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self._gate.leave()
+
+
+def route(endpoint: str, admit: bool = False) -> Callable[[Handler], Callable[[Request], Awaitable[Response]]]:
+    """Wrap a handler: errors become OpenAI bodies; in-flight requests, status and latency are counted.
+
+    With `admit`, the request is refused (503) while draining or over the concurrency limit.
+    """
+
+    def wrap(fn: Handler) -> Callable[[Request], Awaitable[Response]]:
+        async def handle(request: Request) -> Response:
+            fe: Frontend = request.app.state.frontend
+            gate: Gate = request.app.state.gate
+            gate.enter()
+            t0 = time.perf_counter()
+            status = 500
+            held = False
+            try:
+                if admit:
+                    gate.admit()
+                response = await fn(fe, request)
+                status = response.status_code if isinstance(response, Response) else 200
+                if isinstance(response, SSEResponse):
+                    # A stream is in flight until its last event is sent, not when its handler returns.
+                    held = True
+                    return _HeldInFlight(response, gate)  # type: ignore[return-value]
+                return response
+            except APIError as err:
+                status = err.status
+                return err.response()
+            except ClientDisconnect:
+                status = 499
+                return Response(status_code=499)
+            finally:
+                if not held:
+                    gate.leave()
+                fe.metrics.requests.labels(endpoint, str(status)).inc()
+                if status == 200:
+                    fe.metrics.e2e.observe(time.perf_counter() - t0)
+
+        return handle
+
+    return wrap
+
+
+def json_response(body: object, headers: dict[str, str] | None = None) -> Response:
+    """A JSON response of a msgspec-encodable body."""
+    return Response(json_encoder.encode(body), headers=headers, media_type="application/json")

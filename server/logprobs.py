@@ -1,0 +1,42 @@
+"""Token logprobs as OpenAI shows them: token strings, chat-style entries and legacy completion lists."""
+
+from __future__ import annotations
+
+from schemas.kafka import TokenLogprob
+from schemas.openai import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from server.model_files import ModelFiles
+
+
+class LogprobFormatter:
+    """Token ids to the strings OpenAI shows in logprobs."""
+
+    def __init__(self, model: ModelFiles) -> None:
+        self._model = model
+
+    def token(self, token_id: int) -> str:
+        """The text of one token as it would appear in the output."""
+        return self._model.decode([token_id], skip_special_tokens=False)
+
+    def chat(self, entries: list[TokenLogprob]) -> ChatLogprobs:
+        """Chat-style logprobs."""
+        content = []
+        for e in entries:
+            tok = self.token(e.token_id)
+            tops = [TopLogprob(self.token(t), lp, list(self.token(t).encode())) for t, lp in e.top]
+            content.append(ChatTokenLogprob(tok, e.logprob, list(tok.encode()), tops))
+        return ChatLogprobs(content)
+
+    def completion(self, entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+        """Legacy completion-style logprobs, text offsets counted from `offset`."""
+        tokens: list[str] = []
+        lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for e in entries:
+            tok = self.token(e.token_id)
+            tokens.append(tok)
+            lps.append(e.logprob)
+            tops.append({self.token(t): lp for t, lp in e.top} or None)
+            offsets.append(offset)
+            offset += len(tok)
+        return CompletionLogprobs(tokens, lps, tops, offsets)

@@ -1,0 +1,195 @@
+"""What chat and text completions look like: each kind's stream chunks and whole response body.
+
+A stream's chunks are a function of the accepted chunks alone (see server/responses.py), so a kind's
+event writer holds only what earlier deltas determine (a completion's text offsets for logprobs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from schemas.kafka import ChunkUsage, TokenLogprob
+from schemas.openai import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChoice,
+    Delta,
+    PromptTokensDetails,
+    Usage,
+)
+from server.logprobs import LogprobFormatter
+from server.streams import ChunkSource
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: ChunkUsage | None = None
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What one choice gained from one chunk."""
+
+    choice: int
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+
+
+def finish(reason: str | None) -> str | None:
+    """A finish reason as clients see it: "abort" only reaches a client that is gone, so it reads "stop"."""
+    return "stop" if reason == "abort" else reason
+
+
+def usage_of(prompt_lens: list[int], n: int, states: dict[int, ChoiceState]) -> Usage:
+    """Usage from each prompt's length and every choice's final usage (choice = prompt index * n + c)."""
+    prompt = sum(prompt_lens)
+    completion = sum(s.usage.completion_tokens for s in states.values() if s.usage)
+    cached = 0
+    for pi in range(len(prompt_lens)):
+        cached += max(
+            (states[c].usage.cached_tokens for c in range(pi * n, (pi + 1) * n) if states[c].usage),  # type: ignore[union-attr]
+            default=0,
+        )
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request's finished choices and what shapes its whole body."""
+
+    id: str
+    created: int
+    model: str
+    states: dict[int, ChoiceState]
+    logprobs: bool
+    prompt_lens: list[int]
+    n: int
+    # The prompts put in front of each choice's text (completions with `echo`), else None.
+    echo_texts: list[str] | None = None
+
+
+class Events(Protocol):
+    """One stream's chunk bodies, in the kind's shape."""
+
+    def opening(self) -> Iterator[msgspec.Struct]:
+        """Bodies sent before any output (chat: the role of each choice; completions: echoed prompts)."""
+        ...
+
+    def delta(self, d: ChoiceDelta) -> msgspec.Struct:
+        """The body carrying one choice's delta."""
+        ...
+
+    def usage(self, usage: Usage) -> msgspec.Struct:
+        """The last body, carrying the request's usage."""
+        ...
+
+
+class ChatEvents:
+    """`chat.completion.chunk` bodies."""
+
+    def __init__(self, src: ChunkSource, fmt: LogprobFormatter, echo: bool = False) -> None:
+        self._src = src
+        self._fmt = fmt
+        self._usage: Usage | UnsetType | None = None if src.spec.include_usage else UNSET
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | UnsetType | None = None) -> ChatCompletionChunk:
+        src = self._src
+        return ChatCompletionChunk(
+            id=src.id, created=src.created, model=src.model, choices=choices,
+            usage=self._usage if usage is None else usage,
+        )  # fmt: skip
+
+    def opening(self) -> Iterator[msgspec.Struct]:
+        """A role delta per choice."""
+        for c in range(self._src.spec.n):
+            yield self._chunk([ChatChunkChoice(c, Delta(role="assistant", content=""))])
+
+    def delta(self, d: ChoiceDelta) -> msgspec.Struct:
+        """Text (or nothing, on the finishing chunk) with its logprobs."""
+        logprobs = self._fmt.chat(d.logprobs) if self._src.spec.logprobs else None
+        delta = Delta(content=d.text) if d.text or d.finish_reason is None else Delta()
+        return self._chunk([ChatChunkChoice(d.choice, delta, logprobs, finish(d.finish_reason))])
+
+    def usage(self, usage: Usage) -> msgspec.Struct:
+        """No choices, the usage."""
+        return self._chunk([], usage)
+
+
+class CompletionEvents:
+    """`text_completion` chunk bodies; text offsets for logprobs count from the start of each choice."""
+
+    def __init__(self, src: ChunkSource, fmt: LogprobFormatter, echo: bool = False) -> None:
+        self._src = src
+        self._fmt = fmt
+        self._echo = echo
+        spec = src.spec
+        self._usage: Usage | UnsetType | None = None if spec.include_usage else UNSET
+        self._offsets = dict.fromkeys(range(len(spec.prompt_lens) * spec.n), 0)
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | UnsetType | None = None) -> Completion:
+        src = self._src
+        return Completion(
+            id=src.id, created=src.created, model=src.model, choices=choices,
+            usage=self._usage if usage is None else usage,
+        )  # fmt: skip
+
+    def opening(self) -> Iterator[msgspec.Struct]:
+        """Each choice's prompt, with `echo`."""
+        if not self._echo:
+            return
+        spec = self._src.spec
+        for c in self._offsets:
+            text = spec.prompt_texts[c // spec.n]
+            self._offsets[c] = len(text)
+            yield self._chunk([CompletionChoice(c, text)])
+
+    def delta(self, d: ChoiceDelta) -> msgspec.Struct:
+        """Text with its logprobs."""
+        logprobs = self._fmt.completion(d.logprobs, self._offsets[d.choice]) if self._src.spec.logprobs else None
+        self._offsets[d.choice] += len(d.text)
+        return self._chunk([CompletionChoice(d.choice, d.text, logprobs, finish(d.finish_reason))])
+
+    def usage(self, usage: Usage) -> msgspec.Struct:
+        """No choices, the usage."""
+        return self._chunk([], usage)
+
+
+def chat_completion(done: Finished, fmt: LogprobFormatter) -> ChatCompletion:
+    """The `chat.completion` body of finished choices (also what a batch item's output line carries)."""
+    choices = [
+        ChatChoice(
+            index=c,
+            message=AssistantMessage("assistant", "".join(s.text)),
+            logprobs=fmt.chat(s.logprobs) if done.logprobs else None,
+            finish_reason=finish(s.finish_reason),
+        )
+        for c, s in sorted(done.states.items())
+    ]
+    usage = usage_of(done.prompt_lens, done.n, done.states)
+    return ChatCompletion(id=done.id, created=done.created, model=done.model, choices=choices, usage=usage)
+
+
+def text_completion(done: Finished, fmt: LogprobFormatter) -> Completion:
+    """The `text_completion` body of finished choices; `echo_texts` puts each prompt in front."""
+    choices = []
+    for c, s in sorted(done.states.items()):
+        prefix = done.echo_texts[c // done.n] if done.echo_texts else ""
+        lps = fmt.completion(s.logprobs, len(prefix)) if done.logprobs else None
+        choices.append(CompletionChoice(c, prefix + "".join(s.text), lps, finish(s.finish_reason)))
+    usage = usage_of(done.prompt_lens, done.n, done.states)
+    return Completion(id=done.id, created=done.created, model=done.model, choices=choices, usage=usage)
