@@ -1,12 +1,11 @@
 """Keeping a reader moving: stretching its fetch wait while it lags, and noticing a log that was reset.
 
-A broker can come back without the log a consumer was reading: the embedded Tansu broker keeps
-everything in memory, so a restart on the same address starts every topic again at offset 0, and a
-Kafka cluster whose topic was deleted and recreated does the same. Tansu answers a fetch beyond the new
-end with an empty batch rather than OFFSET_OUT_OF_RANGE, so `auto_offset_reset` never fires and the
-consumer waits at its old position for records that will only arrive thousands of offsets lower.
-`LogResetWatch` compares an idle consumer's position with the high watermark its fetches report and
-starts it over from the beginning when the position lies past that end, which a healthy log never allows.
+A broker can come back without the log a consumer was reading (an embedded broker restarted empty, a
+Kafka topic deleted and recreated), and may answer a fetch past the new end with nothing rather than an
+error (docs/architecture.md, broker quirk "empty restart"). `LogResetWatch` compares an idle consumer's
+position with the high watermark its fetches report and starts it over from the beginning when the
+position lies past that end, which a healthy log never allows. `FetchWaitAdjuster` keeps a reader of a
+long partition moving (quirk "a slow read returns nothing").
 """
 
 from __future__ import annotations
@@ -28,13 +27,12 @@ PROGRESS_CHECK_S = 0.2
 class FetchWaitAdjuster:
     """Lengthens a consumer's fetch wait while it lags behind its log and its fetches come back empty.
 
-    Tansu answers a fetch with no records when reading them takes longer than the fetch's max wait, and
-    that read takes time proportional to the record batches the partition holds (`bench/tansu_fetch.py`):
-    past about 10,000 batches a 5 ms wait never gets data again, and a reader stalls with its records in
-    plain sight. A longer wait costs nothing when records are there (the broker answers once it has read
-    them), so the adjuster switches to `lagging_wait_ms` while a partition's position lies below the high
-    watermark of the latest fetch and goes back to the configured wait, which keeps idle readers prompt,
-    once the reader has caught up. A Kafka cluster returns available records at once: it never triggers.
+    The embedded broker answers a fetch with no records when reading them outlasts the fetch's max wait
+    (docs/architecture.md, broker quirk "a slow read returns nothing"). A longer wait costs nothing when
+    records are there, so the adjuster switches to `lagging_wait_ms` while a partition's position lies
+    below the high watermark of the latest fetch and goes back to the configured wait, which keeps idle
+    readers prompt, once the reader has caught up. A Kafka cluster returns available records at once: it
+    never triggers.
     """
 
     def __init__(self, consumer: AIOKafkaConsumer, name: str, lagging_wait_ms: int = LAGGING_FETCH_WAIT_MS) -> None:
@@ -85,8 +83,8 @@ class FetchWaitAdjuster:
 async def positions_and_ends(consumer: AIOKafkaConsumer) -> list[tuple[TopicPartition, int, int]]:
     """(partition, position, high watermark of its latest fetch) for each assigned partition that has both.
 
-    The end is the high watermark fetch responses carry, not a ListOffsets answer: Tansu answers that
-    with the last batch's base offset + 1, short of the end by the rest of that batch.
+    The end is the high watermark fetch responses carry, not a ListOffsets answer (docs/architecture.md,
+    broker quirk "ListOffsets short of the end").
     """
     out = []
     for tp in consumer.assignment():

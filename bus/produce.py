@@ -15,9 +15,8 @@ async def send_and_wait(
 ) -> RecordMetadata:
     """`producer.send_and_wait`, retrying the broker's UnknownError with fresh metadata.
 
-    Tansu answers a produce with UnknownError once for a topic that changed under the producer's cached
-    metadata (created anew after an empty restart); the next attempt goes through. aiokafka calls the
-    error final, so without this the request behind it would fail.
+    aiokafka calls UnknownError final, and the embedded broker answers it once for a topic that changed
+    under the producer's metadata (docs/architecture.md, broker quirk "stale producer metadata").
     """
     for attempt in range(attempts):
         try:
@@ -32,9 +31,8 @@ async def send_and_wait(
 async def refresh_metadata(producer: AIOKafkaProducer, timeout_s: float = 5.0) -> None:
     """Fetch the producer's metadata anew (bounded); call when a reader found its log reset.
 
-    After an empty restart Tansu acknowledges records a producer writes with the metadata it had from
-    before, yet readers do not see them until that producer has refreshed: without this, a worker's
-    first replies after the restart could vanish (the frontend's delivery check is the safety net).
+    Records written with stale metadata can be acknowledged and never seen (docs/architecture.md, broker
+    quirk "stale producer metadata"); the frontend's delivery check is the safety net.
     """
     with contextlib.suppress(Exception):
         await asyncio.wait_for(producer.client.force_metadata_update(), timeout_s)

@@ -306,8 +306,8 @@ class Reader(Generic[T]):
                                 return None
                             batch = self._decode(tp, records)
                             return batch.messages[0][1] if batch.messages else None
-                        # An empty fetch with the log's end at or before the offset: the record is gone.
-                        # (Tansu answers a fetch past the end with an empty batch, not an error.)
+                        # An empty fetch with the log's end at or before the offset: the record is gone
+                        # (docs/architecture.md, broker quirk "empty restart": no error past the end).
                         end = consumer.highwater(tp)
                         if end is not None and end <= offset:
                             return None

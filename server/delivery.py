@@ -1,11 +1,10 @@
 """Whether a request the broker acknowledged is still in its worker's topic.
 
-A broker that keeps its log in memory (Tansu) and restarts empty loses requests it had acknowledged; one
-written just before or during the restart may be gone before its worker read it. Nothing else would ever
-answer such a request: its worker is alive, so no heartbeat goes missing, and the replies topic's reset
-is only seen by a reader whose position passes the new end. A generation that heard nothing of a sequence
-for `--delivery-check-s` asks here, and sends the request again if the broker no longer has it. Asking the
-broker, not a timer, is what lets a long prefill on a busy worker wait as long as it takes.
+A broker can lose requests it had acknowledged (docs/architecture.md, broker quirk "lost again after a
+restart"), and nothing else would ever answer such a request: its worker is alive. A sequence that heard
+nothing for `--delivery-check-s` asks here (server/migration.py) and is sent again if the broker no longer
+has its request. Asking the broker, not a timer, is what lets a long prefill on a busy worker wait as long
+as it takes.
 """
 
 from __future__ import annotations

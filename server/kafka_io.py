@@ -123,11 +123,9 @@ class ReplyDemux:
 
     New requests reply to the current topic. After `roll_records` records the demux starts a fresh one
     and reads the old one only while requests that reply there are open; `retain_s` later it deletes it
-    (resumed streams read old chunks back until then). The embedded broker answers every fetch that
-    returns data in time proportional to the number of record batches the partition holds (about
-    0.7 ms per thousand), so a single replies topic made a frontend under sustained load slower and
-    slower until streams stalled (docs/benchmarks.md, Batch). A Kafka cluster does not need the roll,
-    and `roll_records=0` turns it off.
+    (resumed streams read old chunks back until then): the embedded broker's fetches slow down as a
+    partition grows (docs/architecture.md, broker quirk "slow long partitions"). A Kafka cluster does
+    not need the roll, and `roll_records=0` turns it off.
     """
 
     def __init__(

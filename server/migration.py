@@ -259,9 +259,9 @@ class Mover:
         """True once the moved sequence produced a chunk (or ended, or was lost again); False after
         MOVE_STALL_S without any.
 
-        A timer, not the delivery check: after an empty restart the broker can also refuse a worker's
-        replies for good (a replies topic it re-created from a produce), and a move made again is what gets
-        the stream going then. A move is rare enough that one made again under a prefill longer than
+        A timer, not the delivery check: the broker can also refuse a worker's replies for good
+        (docs/architecture.md, broker quirk "lost again after a restart"), and a move made again is what
+        gets the stream going then. A move is rare enough that one made again under a prefill longer than
         MOVE_STALL_S costs little.
         """
         try:
