@@ -71,7 +71,7 @@ async def _generate(kind: Kind, fe: Frontend, request: Request) -> Response:
     echo = kind.echo(req)
     if prepared.stream:
         headers = {**_headers(gen), **await _remember(fe, gen, kind, echo)}
-        return SSEResponse(stream(gen, kind.events(gen, fe.fmt, echo)), headers)  # type: ignore[return-value]
+        return SSEResponse(stream(gen, kind.events(gen, fe.fmt, echo), ids=gen.resumable), headers)  # type: ignore[return-value]
     try:
         states = await until_disconnect(request, collect(gen))
     finally:
@@ -109,7 +109,7 @@ async def _resume(kind: Kind, fe: Frontend, request: Request) -> Response:
         await replay.close()
         raise APIError(503, "The message broker is unavailable; try again shortly.", code="broker_unavailable",
                        retry_after=2) from exc  # fmt: skip
-    events = stream(replay, kind.events(replay, fe.fmt, bool(record.echo_texts)), after)
+    events = stream(replay, kind.events(replay, fe.fmt, bool(record.echo_texts)), after, ids=True)
     return SSEResponse(events, {"x-request-id": rid, "x-ferry-resumable": "1"})  # type: ignore[return-value]
 
 

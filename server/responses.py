@@ -1,9 +1,10 @@
 """Worker chunks to OpenAI responses: one stream writer and one whole-response collector for every kind.
 
 Stream events are a function of the accepted chunks alone (one event per chunk that carries text,
-logprobs or a finish reason, never merged by arrival timing), numbered from 0 in their SSE `id:`. A
-stream rebuilt from Kafka for a resuming client therefore numbers its events exactly as the original
-did, and `after` skips those the client already has. What each kind's events look like is in
+logprobs or a finish reason, never merged by arrival timing), numbered from 0. A resumable stream sends
+the number as the SSE `id:`; a stream rebuilt from Kafka for a resuming client numbers its events exactly
+as the original did, and `after` skips those the client already has. Other streams are `data:`-only, as
+OpenAI and vLLM send them: clients such as `vllm bench serve` read every line as `data:`. What each kind's events look like is in
 server/shapes.py.
 """
 
@@ -64,15 +65,22 @@ async def _deltas(
                 yield ChoiceDelta(seq.choice, c.text, c.logprobs, c.finish_reason)
 
 
-async def stream(src: ChunkSource, events: Events, after: int = -1) -> AsyncIterator[bytes]:
+async def stream(
+    src: ChunkSource, events: Events, after: int = -1, ids: bool = False
+) -> AsyncIterator[bytes]:
     """The SSE events of a request: the kind's opening, one per delta, `usage` last when asked for, then
-    `[DONE]`; event ids <= `after` are skipped. The source is closed however the stream ends."""
+    `[DONE]`; event ids <= `after` are skipped, and sent as `id:` lines when `ids`. The source is closed
+    however the stream ends."""
     states = _states(src)
     eid = 0
+
+    def framed(body: object, n: int) -> bytes:
+        return event(_encode(body), n if ids else None)
+
     try:
         for body in events.opening():
             if eid > after:
-                yield event(_encode(body), eid)
+                yield framed(body, eid)
             eid += 1
         async for d in _deltas(src, states):
             if d is None:
@@ -84,11 +92,11 @@ async def stream(src: ChunkSource, events: Events, after: int = -1) -> AsyncIter
                 return
             body = events.delta(d)
             if eid > after:
-                yield event(_encode(body), eid)
+                yield framed(body, eid)
             eid += 1
         spec = src.spec
         if spec.include_usage and eid > after:
-            yield event(_encode(events.usage(usage_of(spec.prompt_lens, spec.n, states))), eid)
+            yield framed(events.usage(usage_of(spec.prompt_lens, spec.n, states)), eid)
         yield DONE
     finally:
         await src.close()

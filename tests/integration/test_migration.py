@@ -84,12 +84,9 @@ def text_of(events: list[tuple[str | None, str]]) -> str:
 
 
 def assert_one_stream(events: list[tuple[str | None, str]], reference: list[tuple[str | None, str]]) -> None:
-    """A moved stream reads as the uninterrupted reference: no error, the same text and usage, and event ids
-    0, 1, 2, ... without a gap or a repeat."""
+    """A moved stream reads as the uninterrupted reference: no error, the same text and usage."""
     assert not any('"error"' in d for _, d in events), events[-3:]
     assert text_of(events) == text_of(reference)
-    ids = [int(i) for i, _ in events if i is not None]
-    assert ids == list(range(len(ids)))
     assert json.loads(events[-2][1])["usage"] == json.loads(reference[-2][1])["usage"]
 
 
@@ -327,8 +324,6 @@ async def test_a_reply_chunk_the_broker_never_took_moves_the_sequence(
     assert hit, "the injected failure never fired"
     assert text_of(events) == text_of(reference)
     assert json.loads(events[-2][1])["usage"]["completion_tokens"] == 40
-    ids = [int(i) for i, _ in events if i is not None]
-    assert ids == list(range(len(ids)))
     assert fe.metrics.reply_gaps._value.get() == 1
     assert w.worker.metrics.kafka_send_errors._value.get() == SEND_TRIES
 

@@ -175,8 +175,11 @@ async def test_stream_in_flight_survives_an_empty_broker_restart(services: Servi
     async with httpx.AsyncClient(base_url=url, timeout=120.0) as c:
         await until(lambda: served(c), RECOVERY_DEADLINE_S, "serving before the outage")
         body = chat(stream=True, max_tokens=n, ignore_eos=True, stream_options={"include_usage": True})
-        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+        # Resumable, so that its events carry ids and a repeat would show.
+        resumable = {"x-ferry-resumable": "1"}
+        async with c.stream("POST", "/v1/chat/completions", json=body, headers=resumable) as r:
             assert r.status_code == 200
+            assert r.headers["x-ferry-resumable"] == "1"
             events = sse_events(r)
             got = [await anext(events)]  # the stream is running on the worker
             await services.broker.stop()
@@ -186,7 +189,7 @@ async def test_stream_in_flight_survives_an_empty_broker_restart(services: Servi
     datas = [d for _, d in got]
     assert datas[-1] == "[DONE]"
     assert not any('"error"' in d for d in datas), [d for d in datas if '"error"' in d]
-    assert len(ids) == len(set(ids)), "an event was repeated"
+    assert ids and len(ids) == len(set(ids)), "an event was repeated"
     assert json.loads(datas[-2])["usage"]["completion_tokens"] == n, datas[-4:]
     choices = [c for d in datas[:-1] for c in json.loads(d)["choices"]]
     assert choices[-1]["finish_reason"] == "length"
