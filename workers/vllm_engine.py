@@ -16,8 +16,10 @@ vLLM starts its EngineCore with multiprocessing spawn: a script that creates thi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -99,6 +101,39 @@ class _Live:
     release: asyncio.Task[None] | None = None
     sent_first: bool = False
 
+
+
+# How long stopping waits for each of vLLM's steps (aborting requests, shutting the engine down).
+STOP_STEP_S = 30.0
+
+
+async def _shutdown_off_loop(llm: AsyncLLM) -> None:
+    """Run vLLM's blocking shutdown in a daemon thread, waiting at most STOP_STEP_S.
+
+    Not asyncio.to_thread: the default executor's threads are joined when the event loop closes and at
+    interpreter exit, so a shutdown stuck on a dead EngineCore would keep the worker process alive forever.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def finished() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def run() -> None:
+        try:
+            llm.shutdown()
+        except Exception:
+            logger.exception("vLLM shutdown failed")
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop may already be closed
+                loop.call_soon_threadsafe(finished)
+
+    threading.Thread(target=run, name="vllm-shutdown", daemon=True).start()
+    try:
+        await asyncio.wait_for(asyncio.shield(done), STOP_STEP_S)
+    except TimeoutError:
+        logger.warning("vLLM did not shut down within %.0fs; leaving it behind", STOP_STEP_S)
 
 class VLLMEngine(EngineLifecycle):
     """vLLM's AsyncLLM implementing the Engine protocol, with KV events in Ferry hashes."""
@@ -185,11 +220,13 @@ class VLLMEngine(EngineLifecycle):
         live = list(self._live.values())
         self._live.clear()
         # Each aborted request ends with a final "abort" output for whoever still reads it.
-        await asyncio.gather(*(self._release(r) for r in live), return_exceptions=True)
+        # A dead EngineCore must not hold the worker's exit: every step is bounded.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STOP_STEP_S):
+                await asyncio.gather(*(self._release(r) for r in live), return_exceptions=True)
         llm, self._llm = self._llm, None
         if llm is not None:
-            # Blocks for seconds while the EngineCore exits; vLLM's shutdown is safe off the loop.
-            await asyncio.to_thread(llm.shutdown)
+            await _shutdown_off_loop(llm)
             del llm  # let AsyncLLM.__del__ run now, not at interpreter exit
         await self._kv_reader.stop()
         if len(self._bridge):

@@ -33,6 +33,8 @@ from workers.serving import Serving
 log = logging.getLogger("ferry.worker")
 
 READY_MARK = "ferry-worker-ready"
+# The longest one client may take to close when the worker stops (an engine bounds its own steps below it).
+CLOSE_STEP_S = 90.0
 
 
 class Worker:
@@ -146,7 +148,12 @@ class Worker:
             closers.insert(0, lambda: pool.close(commit=False))
         for close in closers:
             with contextlib.suppress(Exception, asyncio.CancelledError):
-                await close()
+                try:
+                    # A client stuck on a dead peer (engine, broker) must not keep the process from exiting.
+                    async with asyncio.timeout(CLOSE_STEP_S):
+                        await close()
+                except TimeoutError:
+                    log.warning("worker %s: %r did not close within %.0fs", self.settings.worker_id, close, CLOSE_STEP_S)
         log.info("worker %s stopped", self.settings.worker_id)
 
     async def _guard(self, name: str, coro: Awaitable[None]) -> None:

@@ -3,7 +3,7 @@
 Workers are SIGKILLed at random and started again under the same id; Redis and (unless --no-broker)
 the broker are restarted once each, empty, on their ports. Every request is classified: completed,
 refused (503/429 before streaming), failed (accepted, then an error event or a short answer),
-duplicated (a chunk id seen twice) and hung (no end within --deadline-s). Prints a table, writes JSON.
+duplicated (an event id seen twice: the requests are resumable streams, whose events carry ids) and hung (no end within --deadline-s). Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from bench.stack import FerryStack
 from launch.services import Child, start_broker, start_redis
 
 MODEL = "SmolLM2-135M-Instruct"
+RESUMABLE = {"x-ferry-resumable": "1"}
 
 
 async def one(c: httpx.AsyncClient, i: int, rng: random.Random, deadline_s: float) -> tuple[str, str]:
@@ -41,7 +42,8 @@ async def one(c: httpx.AsyncClient, i: int, rng: random.Random, deadline_s: floa
     started = ""
     try:
         async with asyncio.timeout(deadline_s):
-            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            # Resumable: only those streams number their events (`id:`), which is how a repeat shows.
+            async with c.stream("POST", "/v1/chat/completions", json=body, headers=RESUMABLE) as r:
                 if r.status_code in (429, 503):
                     await r.aread()
                     return "refused", f"{r.status_code} {r.json().get('error', {}).get('code')}"
@@ -60,6 +62,8 @@ async def one(c: httpx.AsyncClient, i: int, rng: random.Random, deadline_s: floa
             return "failed", f"{errors[0].get('code')}: {errors[0].get('message', '')[:90]}"
         if not datas or datas[-1] != "[DONE]":
             return "failed", "no [DONE]"
+        if len(ids) < len(datas) - 1:  # every event but [DONE] carries an id
+            return "failed", f"{len(datas) - 1 - len(ids)} events without an id"
         usage = json.loads(datas[-2]).get("usage") or {}
         if usage.get("completion_tokens") != max_tokens:
             return "failed", f"{usage.get('completion_tokens')} of {max_tokens} tokens"

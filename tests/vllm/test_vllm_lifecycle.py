@@ -3,6 +3,7 @@ away aborting its request in the engine, and an engine that dies taking its work
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -119,7 +120,13 @@ async def test_engine_death_takes_the_worker_out(vllm_stack: VllmStack) -> None:
         assert last.finish_reason == "error" and last.error is not None, msgspec.json.encode(last)
         assert last.error.retriable and last.error.code == "engine_dead"
 
-        rc = await child.proc.wait()
+        try:
+            async with asyncio.timeout(150):  # the worker bounds each closing step; this bounds them all
+                rc = await child.proc.wait()
+        except TimeoutError:
+            pytest.fail(
+                "the worker did not exit after its engine died; its last lines:\n" + "\n".join(child.tail)
+            )
         assert rc != 0
         assert any("stopping after a fatal error" in line for line in child.tail), child.tail
         assert await stack.status(wid) is None
