@@ -3,7 +3,8 @@
 Workers are SIGKILLed at random and started again under the same id; Redis and (unless --no-broker)
 the broker are restarted once each, empty, on their ports. Every request is classified: completed,
 refused (503/429 before streaming), failed (accepted, then an error event or a short answer),
-duplicated (an event id seen twice: the requests are resumable streams, whose events carry ids) and hung (no end within --deadline-s). Prints a table, writes JSON.
+duplicated (an event id seen twice, or more tokens than were generated: every request asks for
+logprobs, one per token, and is a resumable stream, whose events carry ids) and hung (no end within --deadline-s). Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,12 +32,17 @@ MODEL = "SmolLM2-135M-Instruct"
 RESUMABLE = {"x-ferry-resumable": "1"}
 
 
+def _choices(datas: list[str]) -> list[dict[str, Any]]:
+    return [ch for d in datas[:-1] for ch in json.loads(d).get("choices", [])]
+
+
 async def one(c: httpx.AsyncClient, i: int, rng: random.Random, deadline_s: float) -> tuple[str, str]:
     """One streamed request of random length; its outcome, and why where it failed."""
     max_tokens = rng.choice([4, 16, 64, 256])
     words = " ".join(f"w{rng.randrange(5000)}" for _ in range(rng.choice([5, 50, 400])))
     body = {"model": MODEL, "messages": [{"role": "user", "content": words}], "max_tokens": max_tokens,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
+            "logprobs": True}  # fmt: skip
     ids: list[str] = []
     datas: list[str] = []
     started = ""
@@ -62,8 +68,13 @@ async def one(c: httpx.AsyncClient, i: int, rng: random.Random, deadline_s: floa
             return "failed", f"{errors[0].get('code')}: {errors[0].get('message', '')[:90]}"
         if not datas or datas[-1] != "[DONE]":
             return "failed", "no [DONE]"
-        if len(ids) < len(datas) - 1:  # every event but [DONE] carries an id
-            return "failed", f"{len(datas) - 1 - len(ids)} events without an id"
+        # One logprob per token received: a repeated or lost piece shows in this count even on a stream
+        # that could not be made resumable (its record unsaved while Redis was down) and so has no ids.
+        received = sum(len((ch.get("logprobs") or {}).get("content") or []) for ch in _choices(datas))
+        if received > max_tokens:
+            return "duplicated", f"{received} tokens received, {max_tokens} sent"
+        if received < max_tokens:
+            return "failed", f"{received} of {max_tokens} tokens received"
         usage = json.loads(datas[-2]).get("usage") or {}
         if usage.get("completion_tokens") != max_tokens:
             return "failed", f"{usage.get('completion_tokens')} of {max_tokens} tokens"
