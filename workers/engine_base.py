@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import threading
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Container
 
@@ -146,3 +149,34 @@ class KVEventQueue:
             else:
                 self._ready.clear()
                 await self._ready.wait()
+
+
+async def in_daemon_thread(fn: Callable[[], object], timeout_s: float, what: str) -> bool:
+    """Run a blocking call in a daemon thread, waiting at most `timeout_s`; False if it did not finish.
+
+    asyncio.to_thread's executor threads are joined when the event loop closes and at interpreter exit, so
+    a call stuck on a dead peer (an engine process that was killed) would keep the process alive forever.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def finished() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception:
+            logging.getLogger("ferry.engine").exception("%s failed", what)
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop may already be closed
+                loop.call_soon_threadsafe(finished)
+
+    threading.Thread(target=run, name=what, daemon=True).start()
+    try:
+        await asyncio.wait_for(asyncio.shield(done), timeout_s)
+    except TimeoutError:
+        logging.getLogger("ferry.engine").warning("%s did not finish within %.0fs; left behind", what, timeout_s)
+        return False
+    return True

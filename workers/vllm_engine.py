@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from schemas.kafka import GenerateRequest
 from schemas.kv_events import KVEventBatch
 from workers.detok import Detokenizer
 from workers.engine import EngineDead, EngineError, EngineLifecycle, EngineOutput, EngineStats
-from workers.engine_base import KVEventQueue, OutputStream, check_request
+from workers.engine_base import KVEventQueue, OutputStream, check_request, in_daemon_thread
 from workers.kv_bridge import KVBridge
 from workers.lora import adapter_of
 from workers.model_dir import ModelInfo, load_model_info
@@ -106,34 +105,6 @@ class _Live:
 # How long stopping waits for each of vLLM's steps (aborting requests, shutting the engine down).
 STOP_STEP_S = 30.0
 
-
-async def _shutdown_off_loop(llm: AsyncLLM) -> None:
-    """Run vLLM's blocking shutdown in a daemon thread, waiting at most STOP_STEP_S.
-
-    Not asyncio.to_thread: the default executor's threads are joined when the event loop closes and at
-    interpreter exit, so a shutdown stuck on a dead EngineCore would keep the worker process alive forever.
-    """
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
-
-    def finished() -> None:
-        if not done.done():
-            done.set_result(None)
-
-    def run() -> None:
-        try:
-            llm.shutdown()
-        except Exception:
-            logger.exception("vLLM shutdown failed")
-        finally:
-            with contextlib.suppress(RuntimeError):  # the loop may already be closed
-                loop.call_soon_threadsafe(finished)
-
-    threading.Thread(target=run, name="vllm-shutdown", daemon=True).start()
-    try:
-        await asyncio.wait_for(asyncio.shield(done), STOP_STEP_S)
-    except TimeoutError:
-        logger.warning("vLLM did not shut down within %.0fs; leaving it behind", STOP_STEP_S)
 
 class VLLMEngine(EngineLifecycle):
     """vLLM's AsyncLLM implementing the Engine protocol, with KV events in Ferry hashes."""
@@ -226,7 +197,8 @@ class VLLMEngine(EngineLifecycle):
                 await asyncio.gather(*(self._release(r) for r in live), return_exceptions=True)
         llm, self._llm = self._llm, None
         if llm is not None:
-            await _shutdown_off_loop(llm)
+            # Not asyncio.to_thread: a shutdown stuck on a dead EngineCore would hold the process's exit.
+            await in_daemon_thread(llm.shutdown, STOP_STEP_S, "vLLM shutdown")
             del llm  # let AsyncLLM.__del__ run now, not at interpreter exit
         await self._kv_reader.stop()
         if len(self._bridge):
