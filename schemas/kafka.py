@@ -145,11 +145,24 @@ class Chunk(msgspec.Struct, tag="chunk", omit_defaults=True, frozen=True):
     attempt: int = 0
 
 
-ReplyMessage = Chunk
+class Chunks(msgspec.Struct, tag="chunks", frozen=True):
+    """Chunks of several sequences bound for one topic, in the order they were produced: one record instead
+    of one per chunk, which is what a busy worker's producer and a frontend's reader spend their time on."""
+
+    items: list[Chunk]
+
+
+ReplyMessage = Chunk | Chunks
+
+
+def chunks_of(message: ReplyMessage) -> list[Chunk]:
+    """The chunks a reply record carries, in order."""
+    return message.items if isinstance(message, Chunks) else [message]
+
 
 request_encoder = msgspec.msgpack.Encoder()
 request_decoder: msgspec.msgpack.Decoder[RequestMessage] = msgspec.msgpack.Decoder(RequestMessage)
-reply_decoder: msgspec.msgpack.Decoder[Chunk] = msgspec.msgpack.Decoder(Chunk)
+reply_decoder: msgspec.msgpack.Decoder[ReplyMessage] = msgspec.msgpack.Decoder(ReplyMessage)
 
 
 # ---- ferry.pool.<model>: undirected batch work ---------------------------------------------------

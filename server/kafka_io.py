@@ -15,7 +15,16 @@ from aiokafka.errors import KafkaError
 from bus.produce import send_and_wait
 from bus.reader import Batch, Hooks, Options, Poll, Reader, Tail
 from bus.topics import delete_topics, ensure_topics
-from schemas.kafka import Cancel, Chunk, ErrorInfo, GenerateRequest, reply_decoder, request_encoder
+from schemas.kafka import (
+    Cancel,
+    Chunk,
+    ErrorInfo,
+    GenerateRequest,
+    ReplyMessage,
+    chunks_of,
+    reply_decoder,
+    request_encoder,
+)
 from schemas.names import request_topic
 from server.errors import APIError
 from server.metrics import FrontendMetrics
@@ -237,14 +246,16 @@ class ReplyDemux:
             self._reassign = False
             await self._assign()
 
-    async def _handle(self, batch: Batch[Chunk]) -> None:
+    async def _handle(self, batch: Batch[ReplyMessage]) -> None:
         tail = self._tails.get(batch.tp.topic)
         if tail is not None:
             tail.position = batch.end
-        for _record, chunk in batch.messages:
-            stream = self._by_request.get(chunk.request_id)
-            if stream is not None:
-                stream.put(chunk)
+        by_request = self._by_request
+        for _record, message in batch.messages:
+            for chunk in chunks_of(message):
+                stream = by_request.get(chunk.request_id)
+                if stream is not None:
+                    stream.put(chunk)
 
     async def _log_lost(self, rewound: list[TopicPartition]) -> None:
         for tp in rewound:
@@ -295,7 +306,10 @@ class ReplyDemux:
             self._metrics.reply_topic_rolls.inc()
         log.info(
             "replies: new requests reply to %s (%s holds %d records; read on for %d open streams)",
-            topic, old.topic, old.position, len(old.streams),
+            topic,
+            old.topic,
+            old.position,
+            len(old.streams),
         )
 
     async def _assign(self) -> None:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 from bus.reader import At, Batch, Hooks, Options, Poll, Reader
 from kvstore.resume_store import ResumeStore
-from schemas.kafka import Chunk, ErrorInfo, reply_decoder
+from schemas.kafka import Chunk, ErrorInfo, ReplyMessage, chunks_of, reply_decoder
 from schemas.streams import StreamRecord
 from server.metrics import FrontendMetrics
 from server.router import Decision
@@ -87,9 +87,10 @@ class Replay:
         await self._store.attach(self.id)
         await self._reader.start(At(self.record.topic, self.record.offset))
 
-    async def _handle(self, batch: Batch[Chunk]) -> None:
-        for _record, chunk in batch.messages:
-            self.stream.put(chunk)
+    async def _handle(self, batch: Batch[ReplyMessage]) -> None:
+        for _record, message in batch.messages:
+            for chunk in chunks_of(message):
+                self.stream.put(chunk)
 
     def _failed(self, exc: BaseException) -> None:
         error = ErrorInfo("frontend_unavailable", f"resume reader failed: {exc!r}", retriable=True)

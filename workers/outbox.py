@@ -1,7 +1,9 @@
 """A worker's outgoing records: one bounded queue and one sender, so each request's chunks stay in order.
 
-The queue pushes back on the engine when Kafka lags. A record the broker refuses is sent again behind what
-was queued since (docs/architecture.md, broker quirk "stale producer metadata").
+The queue pushes back on the engine when Kafka lags. What queued up while the sender was busy goes out
+together: a topic's consecutive chunks become one `Chunks` record, so a busy worker sends one record per
+frontend per round instead of one per token. A record the broker refuses is sent again behind what was
+queued since (docs/architecture.md, broker quirk "stale producer metadata").
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import NamedTuple
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from schemas.kafka import Chunk, GenerateRequest, LoraAck, request_encoder
+from schemas.kafka import Chunk, Chunks, GenerateRequest, LoraAck, request_encoder
 from workers.metrics import WorkerMetrics
 
 log = logging.getLogger("ferry.worker")
@@ -23,6 +25,8 @@ log = logging.getLogger("ferry.worker")
 # Produces of one reply record before it counts as lost.
 SEND_TRIES = 3
 QUEUE_SIZE = 4096
+# Most chunks in one record: keeps a record far below the broker's message size limit even with logprobs.
+MAX_CHUNKS_PER_RECORD = 128
 
 # Rewrites a request's chunk before it is queued; None holds it back (the pool consumer sends a batch
 # item's output once, whole).
@@ -33,14 +37,43 @@ class Outgoing(NamedTuple):
     """One record on its way to a frontend's topic, and how often producing it failed so far."""
 
     topic: str
-    key: bytes
+    key: bytes | None
     value: bytes
     tries: int = 0
 
 
-def encoded(req: GenerateRequest, chunk: Chunk) -> Outgoing:
-    """The record carrying `chunk` to the topic `req` replies to."""
-    return Outgoing(req.reply_topic, req.request_id.encode(), request_encoder.encode(chunk))
+class Reply(NamedTuple):
+    """A chunk waiting in the queue for its request's reply topic (encoded when it is sent)."""
+
+    topic: str
+    chunk: Chunk
+
+
+def records(items: list[Outgoing | Reply]) -> list[Outgoing]:
+    """The records to send for what was queued, in order per topic: a topic's consecutive chunks in one."""
+    out: list[Outgoing] = []
+    groups: dict[str, list[Chunk]] = {}
+
+    def flush(topic: str) -> None:
+        chunks = groups.pop(topic, None)
+        if not chunks:
+            return
+        for i in range(0, len(chunks), MAX_CHUNKS_PER_RECORD):
+            part = chunks[i : i + MAX_CHUNKS_PER_RECORD]
+            if len(part) == 1:
+                out.append(Outgoing(topic, part[0].request_id.encode(), request_encoder.encode(part[0])))
+            else:
+                out.append(Outgoing(topic, None, request_encoder.encode(Chunks(part))))
+
+    for item in items:
+        if isinstance(item, Reply):
+            groups.setdefault(item.topic, []).append(item.chunk)
+        else:
+            flush(item.topic)  # what was queued before it for its topic goes first
+            out.append(item)
+    for topic in list(groups):
+        flush(topic)
+    return out
 
 
 class Outbox:
@@ -49,7 +82,7 @@ class Outbox:
     def __init__(self, producer: AIOKafkaProducer, metrics: WorkerMetrics) -> None:
         self._producer = producer
         self._metrics = metrics
-        self._queue: asyncio.Queue[Outgoing] = asyncio.Queue(maxsize=QUEUE_SIZE)
+        self._queue: asyncio.Queue[Outgoing | Reply] = asyncio.Queue(maxsize=QUEUE_SIZE)
         self._resends: set[asyncio.Task[None]] = set()
         self._coalesce: Coalescer | None = None
 
@@ -64,11 +97,11 @@ class Outbox:
             if merged is None:
                 return
             chunk = merged
-        await self._queue.put(encoded(req, chunk))
+        await self._queue.put(Reply(req.reply_topic, chunk))
 
     def send_final_nowait(self, req: GenerateRequest, chunk: Chunk) -> None:
         """Queue a request's last chunk from a task being cancelled (no await allowed, no coalescing)."""
-        self._queue.put_nowait(encoded(req, chunk))
+        self._queue.put_nowait(Reply(req.reply_topic, chunk))
 
     async def send_ack(self, topic: str, ack: LoraAck) -> None:
         """Queue the answer to a LoRA operation for the asking frontend's admin topic."""
@@ -76,17 +109,26 @@ class Outbox:
 
     async def run(self) -> None:
         """Hand queued records to the producer, in order, forever."""
+        queue = self._queue
         while True:
-            out = await self._queue.get()
+            items = [await queue.get()]
+            while not queue.empty() and len(items) < QUEUE_SIZE:
+                items.append(queue.get_nowait())
             try:
-                # Returns once the record is in the producer's batch; delivery is reported later.
-                # Partition 0 is the only one a frontend reads (and spares hashing the key per record).
-                delivery = await self._producer.send(out.topic, out.value, key=out.key, partition=0)
-                delivery.add_done_callback(functools.partial(self._on_delivery, out))
-            except KafkaError as exc:
-                self._on_send_error(out, exc)
+                for out in records(items):
+                    await self._send(out)
             finally:
-                self._queue.task_done()
+                for _ in items:
+                    queue.task_done()
+
+    async def _send(self, out: Outgoing) -> None:
+        try:
+            # Returns once the record is in the producer's batch; delivery is reported later.
+            # Partition 0 is the only one a frontend reads (and spares hashing the key per record).
+            delivery = await self._producer.send(out.topic, out.value, key=out.key, partition=0)
+            delivery.add_done_callback(functools.partial(self._on_delivery, out))
+        except KafkaError as exc:
+            self._on_send_error(out, exc)
 
     async def flush(self, timeout_s: float) -> bool:
         """Wait until every record queued so far is acknowledged by the broker; False on timeout."""
@@ -103,7 +145,9 @@ class Outbox:
         try:
             await asyncio.wait_for(self._queue.join(), timeout=timeout_s)
         except TimeoutError:
-            log.warning("%d reply record(s) still queued after %.0fs; dropping them", self._queue.qsize(), timeout_s)
+            log.warning(
+                "%d reply record(s) still queued after %.0fs; dropping them", self._queue.qsize(), timeout_s
+            )
 
     async def close(self) -> None:
         """Cancel resends still waiting: nothing sends them any more."""

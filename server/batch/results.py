@@ -23,7 +23,7 @@ from aiokafka.errors import KafkaError
 from bus.reader import Batch, Hooks, Options, Poll, Reader, Subscribe
 from kvstore.batch_store import BatchStore
 from schemas.batch import ItemMeta
-from schemas.kafka import Chunk, reply_decoder
+from schemas.kafka import Chunk, ReplyMessage, chunks_of, reply_decoder
 from schemas.names import batch_results_group, batch_results_topic
 from server.batch.items import response_line, split_item_id, split_sequence_id, unrun_line
 from server.batch.lines import ItemChunks, build, sequences_of
@@ -123,15 +123,17 @@ class ResultCollector:
         with contextlib.suppress(Exception):
             await self._commit()
 
-    async def _handle(self, batch: Batch[Chunk]) -> None:
+    async def _handle(self, batch: Batch[ReplyMessage]) -> None:
         tp = batch.tp
         self._next[tp] = batch.end
         chunks: list[tuple[int, str, int, Chunk]] = []
-        for record, chunk in batch.messages:
-            split = split_sequence_id(chunk.request_id)
-            if split is None or split[0] in self._foreign:
-                continue
-            chunks.append((record.offset, split[0], split[1], chunk))
+        for record, message in batch.messages:
+            # A record with several items' chunks is committed past only once all of them are (same offset).
+            for chunk in chunks_of(message):
+                split = split_sequence_id(chunk.request_id)
+                if split is None or split[0] in self._foreign:
+                    continue
+                chunks.append((record.offset, split[0], split[1], chunk))
         await self._load_metas({item for _, item, _, _ in chunks})
         for offset, item, k, chunk in chunks:
             meta = self._metas.get(item)

@@ -7,12 +7,13 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import msgspec
 import pytest
 from aiokafka import AIOKafkaProducer, TopicPartition
 
 from bus.reader import At, Batch, Hooks, Options, Own, Poll, Reader, Tail
 from bus.topics import delete_topics, ensure_topics
-from schemas.kafka import Chunk, reply_decoder, request_encoder
+from schemas.kafka import Chunk, request_encoder
 
 pytestmark = pytest.mark.integration
 
@@ -60,6 +61,10 @@ class Collected:
                 await self._arrived.wait()
 
 
+# These tests write plain Chunk records and read them back as such.
+chunk_decoder = msgspec.msgpack.Decoder(Chunk)
+
+
 def topic_name() -> str:
     return f"test.reader.{uuid.uuid4().hex[:8]}"
 
@@ -67,7 +72,7 @@ def topic_name() -> str:
 async def test_a_reader_hands_decoded_batches_on_and_drops_undecodable_records(kafka: str) -> None:
     topic = topic_name()
     seen = Collected()
-    reader = Reader("test", kafka, reply_decoder, Options(fetch_wait_ms=5), Hooks(seen.handle))
+    reader = Reader("test", kafka, chunk_decoder, Options(fetch_wait_ms=5), Hooks(seen.handle))
     await reader.start(Tail(topic))  # creates the topic
     try:
         async with producing(kafka) as send:
@@ -88,7 +93,9 @@ async def test_a_reader_that_dies_reports_it_once_and_still_stops(kafka: str) ->
     async def broken(batch: Batch[Chunk]) -> None:
         raise RuntimeError("injected")
 
-    reader = Reader("test", kafka, reply_decoder, Options(fetch_wait_ms=5), Hooks(broken, failed=failures.append))
+    reader = Reader(
+        "test", kafka, chunk_decoder, Options(fetch_wait_ms=5), Hooks(broken, failed=failures.append)
+    )
     await reader.start(Tail(topic))
     async with producing(kafka) as send:
         await send(topic, chunk(0))
@@ -117,7 +124,7 @@ async def test_an_error_hook_that_says_go_on_keeps_the_reader(kafka: str) -> Non
         return True
 
     hooks = Hooks(once_broken, error=go_on)
-    reader = Reader("test", kafka, reply_decoder, Options(fetch_wait_ms=5), hooks)
+    reader = Reader("test", kafka, chunk_decoder, Options(fetch_wait_ms=5), hooks)
     await reader.start(Tail(topic))
     try:
         async with producing(kafka) as send:
@@ -144,7 +151,7 @@ async def test_a_reader_reads_a_log_the_broker_lost_again_from_its_start(kafka: 
         noticed.set()
 
     options = Options(fetch_wait_ms=5, poll=Poll(200, 256), watch_reset=True)
-    reader = Reader("test", kafka, reply_decoder, options, Hooks(seen.handle, reset=reset))
+    reader = Reader("test", kafka, chunk_decoder, options, Hooks(seen.handle, reset=reset))
     await reader.start(Tail(topic))
     try:
         async with producing(kafka) as send:
@@ -168,12 +175,14 @@ async def test_a_reader_reads_a_log_the_broker_lost_again_from_its_start(kafka: 
 async def test_a_reader_of_its_own_partition_commits_after_each_poll_and_resumes_there(kafka: str) -> None:
     topic = topic_name()
     await ensure_topics(kafka, {topic: 1})
-    options = Options(fetch_wait_ms=5, group_id=f"test-{topic}", offset_reset="earliest", commit_after_poll=True)
+    options = Options(
+        fetch_wait_ms=5, group_id=f"test-{topic}", offset_reset="earliest", commit_after_poll=True
+    )
     async with producing(kafka) as send:
         for seq in range(2):
             await send(topic, chunk(seq))
         first = Collected()
-        reader = Reader("test", kafka, reply_decoder, options, Hooks(first.handle))
+        reader = Reader("test", kafka, chunk_decoder, options, Hooks(first.handle))
         await reader.start(Own(topic))
         try:
             await first.until(2)
@@ -181,7 +190,7 @@ async def test_a_reader_of_its_own_partition_commits_after_each_poll_and_resumes
             await reader.stop()
         await send(topic, chunk(2))
     again = Collected()
-    reader = Reader("test", kafka, reply_decoder, options, Hooks(again.handle))
+    reader = Reader("test", kafka, chunk_decoder, options, Hooks(again.handle))
     await reader.start(Own(topic))
     try:
         await again.until(1)
@@ -195,7 +204,7 @@ async def test_point_lookups_find_a_record_and_know_when_it_is_gone(kafka: str) 
     topic = topic_name()
     tp = TopicPartition(topic, 0)
     await ensure_topics(kafka, {topic: 1})
-    lookups = Reader("test", kafka, reply_decoder, Options(offset_reset="none"))
+    lookups = Reader("test", kafka, chunk_decoder, Options(offset_reset="none"))
     await lookups.start()
     try:
         async with producing(kafka) as send:
@@ -216,7 +225,7 @@ async def test_a_reader_from_an_offset_starts_there(kafka: str) -> None:
     async with producing(kafka) as send:
         for seq in range(4):
             await send(topic, chunk(seq))
-    reader = Reader("test", kafka, reply_decoder, Options(fetch_wait_ms=5), Hooks(seen.handle))
+    reader = Reader("test", kafka, chunk_decoder, Options(fetch_wait_ms=5), Hooks(seen.handle))
     await reader.start(At(topic, 2))
     try:
         await seen.until(2)

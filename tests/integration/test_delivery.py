@@ -20,6 +20,7 @@ from schemas.kafka import (
     Cancel,
     GenerateRequest,
     SamplingParams,
+    chunks_of,
     reply_decoder,
     request_decoder,
     request_encoder,
@@ -35,8 +36,13 @@ MODEL = "SmolLM2-135M-Instruct"
 
 def request(rid: str, attempt: int = 0) -> GenerateRequest:
     return GenerateRequest(
-        request_id=rid, model=MODEL, prompt_token_ids=[1, 2, 3], max_tokens=4, reply_topic="nowhere",
-        sampling=SamplingParams(), attempt=attempt,
+        request_id=rid,
+        model=MODEL,
+        prompt_token_ids=[1, 2, 3],
+        max_tokens=4,
+        reply_topic="nowhere",
+        sampling=SamplingParams(),
+        attempt=attempt,
     )
 
 
@@ -69,7 +75,9 @@ async def test_request_log_tells_a_held_request_from_a_lost_one(kafka: str, pref
     try:
 
         async def put(msg: Any, rid: str) -> int:
-            sent = await producer.send_and_wait(topic, request_encoder.encode(msg), key=rid.encode(), partition=0)
+            sent = await producer.send_and_wait(
+                topic, request_encoder.encode(msg), key=rid.encode(), partition=0
+            )
             return sent.offset
 
         first = await put(request("r1"), "r1")
@@ -151,11 +159,11 @@ async def test_replies_lost_after_the_broker_lost_its_log_are_asked_for_again(h:
 
         async def lossy_send(topic: str, value: bytes, **kw: Any) -> asyncio.Future[Any]:
             try:
-                chunk = reply_decoder.decode(value)
+                chunks = chunks_of(reply_decoder.decode(value))
             except msgspec.ValidationError:
                 return await send(topic, value, **kw)
-            if chunk.attempt == 0:
-                swallowed.append(chunk.request_id)
+            if all(c.attempt == 0 for c in chunks):
+                swallowed.extend(c.request_id for c in chunks)
                 done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
                 done.set_result(None)
                 return done

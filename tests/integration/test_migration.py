@@ -19,7 +19,7 @@ from aiokafka.errors import UnknownError
 
 from kvstore.registry import Registry
 from launch.services import Child
-from schemas.kafka import SamplingParams, reply_decoder
+from schemas.kafka import SamplingParams, chunks_of, reply_decoder
 from schemas.names import RedisKeys
 from tests.harness import Harness, RunningWorker, sse_events, worker_process
 from tests.integration.test_worker import Client
@@ -223,7 +223,12 @@ async def test_request_delivered_twice_runs_once(h: Harness, kafka: str) -> None
         async with asyncio.timeout(20):
             while after.request_id not in seen:
                 batches = await client.consumer.getmany(timeout_ms=200)
-                seen += [reply_decoder.decode(r.value).request_id for rs in batches.values() for r in rs]
+                seen += [
+                    c.request_id
+                    for rs in batches.values()
+                    for r in rs
+                    for c in chunks_of(reply_decoder.decode(r.value))
+                ]
         assert req.request_id not in seen
         assert w.worker.metrics.requests.labels("duplicate")._value.get() == 1
         # A migrated attempt of the same request is new work, not a duplicate.
@@ -290,12 +295,13 @@ def refuse_produce(w: RunningWorker, chunk_seq: int, times: int) -> list[str]:
 
     async def failing_send(topic: str, value: bytes, **kw: Any) -> asyncio.Future[Any]:
         try:
-            chunk = reply_decoder.decode(value)
+            chunks = chunks_of(reply_decoder.decode(value))
         except msgspec.ValidationError:
             return await send(topic, value, **kw)
-        first = not hit and chunk.seq == chunk_seq and chunk.attempt == 0
+        first = [c for c in chunks if not hit and c.seq == chunk_seq and c.attempt == 0]
         if (first or value in refused) and len(refused) < times:
-            hit[:] = [chunk.request_id]
+            if first:
+                hit[:] = [first[0].request_id]
             refused.append(value)
             fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             fut.set_exception(UnknownError())
@@ -306,9 +312,7 @@ def refuse_produce(w: RunningWorker, chunk_seq: int, times: int) -> list[str]:
     return hit
 
 
-async def test_a_reply_chunk_the_broker_never_took_moves_the_sequence(
-    h: Harness, prefix: str
-) -> None:
+async def test_a_reply_chunk_the_broker_never_took_moves_the_sequence(h: Harness, prefix: str) -> None:
     # Refused every time: the chunks after it land, the frontend sees the gap, and the sequence moves
     # with the tokens that did arrive. The stream goes on as one stream with nothing missing.
     w = await h.add_worker()

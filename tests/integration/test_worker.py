@@ -15,7 +15,15 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from bus.topics import ensure_topics
 from kvstore.registry import Registry
-from schemas.kafka import Cancel, Chunk, GenerateRequest, SamplingParams, reply_decoder, request_encoder
+from schemas.kafka import (
+    Cancel,
+    Chunk,
+    GenerateRequest,
+    SamplingParams,
+    chunks_of,
+    reply_decoder,
+    request_encoder,
+)
 from schemas.names import RedisKeys, request_topic
 from tests.harness import Harness, harness
 
@@ -29,7 +37,9 @@ class Client:
         self.kafka = kafka
         self.topic = f"ferry.replies.test-{uuid.uuid4().hex[:6]}"
         self.producer = AIOKafkaProducer(bootstrap_servers=kafka)
-        self.consumer = AIOKafkaConsumer(bootstrap_servers=kafka, enable_auto_commit=False, fetch_max_wait_ms=50)
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=kafka, enable_auto_commit=False, fetch_max_wait_ms=50
+        )
 
     async def start(self) -> None:
         await ensure_topics(self.kafka, {self.topic: 1})
@@ -49,8 +59,12 @@ class Client:
 
     def request(self, prompt: list[int], max_tokens: int = 8, **kw: object) -> GenerateRequest:
         return GenerateRequest(
-            request_id=uuid.uuid4().hex, model="SmolLM2-135M-Instruct", prompt_token_ids=prompt,
-            max_tokens=max_tokens, reply_topic=self.topic, **kw,  # type: ignore[arg-type]
+            request_id=uuid.uuid4().hex,
+            model="SmolLM2-135M-Instruct",
+            prompt_token_ids=prompt,
+            max_tokens=max_tokens,
+            reply_topic=self.topic,
+            **kw,  # type: ignore[arg-type]
         )
 
     async def first_tokens(self, request_id: str, wait_s: float = 20) -> list[Chunk]:
@@ -61,9 +75,9 @@ class Client:
                 batches = await self.consumer.getmany(timeout_ms=200)
                 for records in batches.values():
                     for r in records:
-                        c = reply_decoder.decode(r.value)
-                        if c.request_id == request_id:
-                            seen.append(c)
+                        for c in chunks_of(reply_decoder.decode(r.value)):
+                            if c.request_id == request_id:
+                                seen.append(c)
                 if any(c.token_ids for c in seen):
                     return seen
 
@@ -75,16 +89,18 @@ class Client:
                 batches = await self.consumer.getmany(timeout_ms=200)
                 for records in batches.values():
                     for r in records:
-                        c = reply_decoder.decode(r.value)
-                        if c.request_id in out:
-                            out[c.request_id].append(c)
-                            if c.finish_reason is not None:
-                                done.add(c.request_id)
+                        for c in chunks_of(reply_decoder.decode(r.value)):
+                            if c.request_id in out:
+                                out[c.request_id].append(c)
+                                if c.finish_reason is not None:
+                                    done.add(c.request_id)
         return out
 
 
 @pytest_asyncio.fixture
-async def env(kafka: str, redis_url: str, prefix: str, model_path: Path) -> AsyncIterator[tuple[Harness, Client]]:
+async def env(
+    kafka: str, redis_url: str, prefix: str, model_path: Path
+) -> AsyncIterator[tuple[Harness, Client]]:
     async with harness(kafka, redis_url, prefix, model_path) as h:
         client = Client(kafka)
         await client.start()
@@ -153,10 +169,13 @@ async def test_expired_request_is_skipped_and_redelivery_is_ignored(env: tuple[H
     assert len(finals) == 1
     # The stale request produced nothing: its id never shows up among the replies.
     batches = await client.consumer.getmany(timeout_ms=300)
-    assert all(reply_decoder.decode(r.value).request_id != stale.request_id for rs in batches.values() for r in rs)
+    replies = [c for rs in batches.values() for r in rs for c in chunks_of(reply_decoder.decode(r.value))]
+    assert all(c.request_id != stale.request_id for c in replies)
 
 
-async def test_drain_finishes_in_flight_then_leaves_registry(env: tuple[Harness, Client], redis_url: str, prefix: str) -> None:
+async def test_drain_finishes_in_flight_then_leaves_registry(
+    env: tuple[Harness, Client], redis_url: str, prefix: str
+) -> None:
     h, client = env
     w = await h.add_worker(speedup=1.0)  # real-time steps: ~60 tokens take a few hundred ms
     wid = w.worker.settings.worker_id
@@ -184,7 +203,9 @@ async def test_cancel_right_behind_its_request_is_honoured(env: tuple[Harness, C
     # Both queued before either is sent: one produce batch, one fetch on the worker.
     await asyncio.gather(
         await client.producer.send(request_topic(wid), request_encoder.encode(req), key=b"k"),
-        await client.producer.send(request_topic(wid), request_encoder.encode(Cancel(req.request_id)), key=b"k"),
+        await client.producer.send(
+            request_topic(wid), request_encoder.encode(Cancel(req.request_id)), key=b"k"
+        ),
     )
     chunks = (await client.until_finished({req.request_id}))[req.request_id]
     assert chunks[-1].finish_reason == "abort"

@@ -15,7 +15,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from bus.topics import ensure_topics
-from schemas.kafka import Chunk, GenerateRequest, SamplingParams, reply_decoder, request_encoder
+from schemas.kafka import Chunk, GenerateRequest, SamplingParams, chunks_of, reply_decoder, request_encoder
 from schemas.names import request_topic
 from schemas.settings import DEFAULT_MODEL_NAME as BASE
 from server.model_files import ModelFiles
@@ -105,7 +105,7 @@ async def test_engine_death_takes_the_worker_out(vllm_stack: VllmStack) -> None:
         async def next_chunks() -> list[Chunk]:
             batches = await consumer.getmany(tp, timeout_ms=30_000)
             assert batches, "no reply within 30 s"
-            return [reply_decoder.decode(rec.value) for rec in batches[tp]]
+            return [c for rec in batches[tp] for c in chunks_of(reply_decoder.decode(rec.value))]
 
         chunks = await next_chunks()
         while not any(c.token_ids for c in chunks):
