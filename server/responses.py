@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
+import msgspec
+
 from schemas.kafka import Chunk, ErrorInfo
-from schemas.openai import ErrorDetail, ErrorResponse, json_encoder
+from schemas.openai import ErrorDetail, ErrorResponse, Usage, json_encoder
 from server.errors import error_status
 from server.logprobs import LogprobFormatter
 from server.shapes import ChoiceDelta, ChoiceState, Events, usage_of
 from server.sse import DONE, KEEPALIVE, event
-from server.streams import ChunkSource, Sequence
+from server.streams import ChunkSource, Sequence, StreamSpec
 
 _encode = json_encoder.encode
 
@@ -33,6 +35,7 @@ def _error_event(error: ErrorInfo) -> bytes:
 
 
 def _record(src: ChunkSource, state: ChoiceState, c: Chunk) -> None:
+    state.tokens += len(c.token_ids)
     if c.finish_reason is not None:
         state.finish_reason = c.finish_reason
     if c.usage is not None:
@@ -41,6 +44,16 @@ def _record(src: ChunkSource, state: ChoiceState, c: Chunk) -> None:
         if m is not None:
             m.completion_tokens.inc(c.usage.completion_tokens)
             m.cached_tokens.inc(c.usage.cached_tokens)
+
+
+def _running_usage(body: msgspec.Struct, spec: StreamSpec, states: dict[int, ChoiceState]) -> msgspec.Struct:
+    """vLLM's continuous usage stats on a choice's chunk: its prompt and the tokens it has produced so far."""
+    choices = getattr(body, "choices", None)
+    if not choices:
+        return body
+    c = choices[0].index
+    prompt, done = spec.prompt_lens[c // spec.n], states[c].tokens
+    return msgspec.structs.replace(body, usage=Usage(prompt, done, prompt + done))
 
 
 def _states(src: ChunkSource) -> dict[int, ChoiceState]:
@@ -74,7 +87,9 @@ async def stream(
     states = _states(src)
     eid = 0
 
-    def framed(body: object, n: int) -> bytes:
+    def framed(body: msgspec.Struct, n: int) -> bytes:
+        if src.spec.continuous_usage:
+            body = _running_usage(body, src.spec, states)
         return event(_encode(body), n if ids else None)
 
     try:

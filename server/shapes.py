@@ -38,6 +38,7 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: ChunkUsage | None = None
+    tokens: int = 0  # produced so far (continuous usage stats)
 
 
 @dataclass(frozen=True)
