@@ -13,9 +13,10 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     model: str | None = None
     prompt: str | None = None
-    # Left raw so they decode exactly as a chat completion's fields do (same rules, same error params).
-    messages: msgspec.Raw | None = None
-    tools: msgspec.Raw | None = None
+    # Left raw so they decode exactly as a chat completion's fields do (same rules, same error params);
+    # empty when not given.
+    messages: msgspec.Raw = msgspec.Raw()
+    tools: msgspec.Raw = msgspec.Raw()
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     # vLLM's defaults: true for a prompt, false for messages (the template writes the special tokens).

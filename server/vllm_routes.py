@@ -59,7 +59,7 @@ async def _chat_ids(fe: Frontend, model: str, body: TokenizeRequest) -> list[int
         "messages": body.messages,
         "add_generation_prompt": body.add_generation_prompt,
     }
-    if body.tools is not None:
+    if body.tools:
         fields["tools"] = body.tools
     if body.chat_template_kwargs is not None:
         fields["chat_template_kwargs"] = body.chat_template_kwargs
@@ -75,11 +75,11 @@ async def tokenize(fe: Frontend, request: Request) -> Response:
     body = decode(tokenize_decoder, await read_body(request, fe.settings.max_body_bytes))
     model = body.model or fe.settings.served_model_name
     max_len = fe.max_model_len(model)
-    if (body.prompt is None) == (body.messages is None):
+    if (body.prompt is None) == (not body.messages):
         raise APIError(400, "Give either 'prompt' or 'messages'.", param="prompt", code="invalid_value")
     if body.prompt is not None:
         for name in ("tools", "chat_template_kwargs"):
-            if getattr(body, name) is not None:
+            if getattr(body, name):
                 raise APIError(400, f"'{name}' needs 'messages'.", param=name, code="invalid_value")
         add = True if body.add_special_tokens is None else body.add_special_tokens
         ids = await _encode(fe, body.prompt, add)
