@@ -165,8 +165,9 @@ class Preprocessor:
                 )
             else:
                 text = self.model.render_chat(messages, req.add_generation_prompt, **kwargs)
-        except jinja2.TemplateError as exc:
-            # The model's template refused the conversation (roles out of order, say): the client's error.
+        except (jinja2.TemplateError, TypeError, ValueError) as exc:
+            # The model's template refused the conversation (roles out of order, say) or failed on what the
+            # request gave it (a chat_template_kwargs value of the wrong type): the client's error.
             raise APIError(
                 400, f"The model's chat template rejected these messages: {exc}", param="messages",
                 code="invalid_value",

@@ -216,7 +216,7 @@ def thinking(model_path: Path, tmp_path: Path) -> Preprocessor:
         if f.is_file():
             shutil.copy(f, tmp_path / f.name)
     (tmp_path / "chat_template.jinja").write_text(
-        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if enable_thinking %}<think>{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if enable_thinking %}<think>{% endif %}{{ (tail or '') + '' }}"
     )
     return Preprocessor(ModelFiles.load(tmp_path, "m"), 10_000)
 
@@ -227,6 +227,9 @@ async def test_chat_template_kwargs_reach_the_template(thinking: Preprocessor) -
     assert (await chat(pre)).prompt_texts == ["hi"]
     err = await refused(pre, chat_template_kwargs={"messages": []})
     assert err.param == "chat_template_kwargs.messages"
+    # A value the template cannot use is the request's fault, not a server error.
+    assert (await chat(pre, chat_template_kwargs={"tail": "!"})).prompt_texts == ["hi!"]
+    assert (await refused(pre, chat_template_kwargs={"tail": 5})).param == "messages"
 
 
 def test_a_constraint_an_engine_refuses_is_the_clients_error() -> None:
