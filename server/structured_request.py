@@ -28,7 +28,6 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "reasoning_effort": (None,),
     "verbosity": (None,),
     "prompt_cache_retention": (None,),
-    "best_of": (None, 1),
     # vLLM's
     "prompt_logprobs": (None,),
     "use_beam_search": (None, False),
@@ -44,11 +43,16 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "return_token_ids": (None, False),
     "cache_salt": (None,),
     "vllm_xargs": (None,),
+}
+CHAT_UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "continue_final_message": (None, False),
     "chat_template": (None,),
     "documents": (None,),
     "add_special_tokens": (None, False),
     "echo": (None, False),
+}
+COMPLETION_UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "best_of": (None, 1),
 }
 
 # What `service_tier` may ask for: Ferry serves every request alike, which is what these mean.
@@ -67,7 +71,8 @@ def unsupported(param: str, message: str) -> APIError:
 
 def refuse_unsupported(req: SamplingFields) -> None:
     """Raise a 400 for the first field that asks for something Ferry does not do."""
-    for name, off in UNSUPPORTED.items():
+    own = CHAT_UNSUPPORTED if isinstance(req, ChatCompletionRequest) else COMPLETION_UNSUPPORTED
+    for name, off in (UNSUPPORTED | own).items():
         value = getattr(req, name, None)
         # `True == 1` in Python: a boolean is off only where a boolean is.
         if not any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in off):

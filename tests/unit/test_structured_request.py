@@ -198,7 +198,7 @@ async def test_off_values_and_metadata_are_accepted(pre: Preprocessor) -> None:
         include_stop_str_in_output=False, spaces_between_special_tokens=True, bad_words=[], add_special_tokens=False,
         stream=True, stream_options={"include_usage": True, "include_obfuscation": False},
     )  # fmt: skip
-    await completion(pre, best_of=1)
+    await completion(pre, best_of=1, echo=True)
 
 
 async def test_continuous_usage_needs_include_usage_as_in_vllm(pre: Preprocessor) -> None:
