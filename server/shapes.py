@@ -41,14 +41,15 @@ class ChoiceState:
     tokens: int = 0  # produced so far (continuous usage stats)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ChoiceDelta:
-    """What one choice gained from one chunk."""
+    """What one choice gained from one chunk, or from consecutive chunks that arrived together."""
 
     choice: int
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    tokens: int = 0  # the choice's tokens up to and including this delta (continuous usage stats)
 
 
 def finish(reason: str | None) -> str | None:

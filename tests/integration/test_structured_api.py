@@ -51,9 +51,11 @@ def files(model_path: Path) -> ModelFiles:
 async def stack(kafka: str, redis_url: str, model_path: Path, files: ModelFiles) -> AsyncIterator[Stack]:
     # `files` first: loading it blocks the loop the worker's heartbeats run on.
     async with harness(kafka, redis_url, f"t{uuid.uuid4().hex[:8]}:", model_path) as h:
-        await h.add_worker()
-        _fe, url = await h.add_frontend()
-        _fe, keyed = await h.add_frontend(api_keys=USER, admin_key=ADMIN)
+        # Slow heartbeats: on a busy machine the shared event loop may stall longer than the usual 1.5 s
+        # registry TTL, and a worker that seems gone makes 503s that say nothing about these requests.
+        await h.add_worker(heartbeat_interval_s=3.0)
+        _fe, url = await h.add_frontend(heartbeat_interval_s=3.0)
+        _fe, keyed = await h.add_frontend(api_keys=USER, admin_key=ADMIN, heartbeat_interval_s=3.0)
         yield Stack(url, keyed)
 
 
