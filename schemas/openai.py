@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
+
+from schemas.structured import ResponseFormat, StructuredOutputsRequest
 
 # Ranges follow the OpenAI API reference; anything outside is a 400 before a worker sees it. JSON integers
 # have no size limit and msgspec keeps them exact, so every integer gets an upper bound too: a value that
@@ -29,16 +31,21 @@ class FieldError(ValueError):
     path names that Struct, so the HTTP error can name the exact field (`messages[2].content`).
     """
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, code: str = "invalid_value") -> None:
         super().__init__(message)
         self.field = field
+        self.code = code
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
-    """`stream_options`: whether the last chunk carries usage."""
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """`stream_options`: whether the last chunk (and, with vLLM's `continuous_usage_stats`, every chunk)
+    carries usage."""
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    # OpenAI pads chunks against length side channels unless this is false; Ferry never pads, so either
+    # value gets unpadded chunks.
+    include_obfuscation: bool | None = None
 
 
 class TextPart(msgspec.Struct, tag_field="type", tag="text"):
@@ -80,8 +87,12 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
             raise FieldError("content", "`content` must not be an empty array.")
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields shared by chat and text completions (OpenAI's, plus vLLM's common extensions)."""
+class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields shared by chat and text completions (OpenAI's, plus vLLM's common extensions).
+
+    A field nobody declared is a 400 naming it; fields Ferry knows but does not support are declared below
+    `UNSUPPORTED` and refused unless they hold their "off" value (server/structured_request.py).
+    """
 
     model: str
     max_tokens: MaxTokens | None = None
@@ -94,14 +105,59 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
+    # Token id (as a string, as OpenAI takes it) -> bias in [-100, 100]; checked against the vocabulary.
+    logit_bias: dict[str, float] | None = None
+    # Metadata about the caller (OpenAI uses them for abuse monitoring and stored completions): accepted,
+    # with no effect on the output.
     user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    # OpenAI's processing tier: Ferry serves every request the same way, which is what "auto" and
+    # "default" ask for; the others are refused.
+    service_tier: str | None = None
+    # OpenAI stores a completion for later retrieval with `store: true`; Ferry keeps nothing.
+    store: bool | None = None
+    # A routing hint for OpenAI's prompt cache; Ferry routes by the cached blocks themselves.
+    prompt_cache_key: str | None = None
+    response_format: ResponseFormat | None = None
     # vLLM extensions, sent by clients through `extra_body`.
     top_k: TopK = -1
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] = 0
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     priority: Priority = 0
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's guided-decoding fields from before `structured_outputs` (vLLM 0.32 ignores them; Ferry
+    # honours them, so older clients get the constraint they asked for).
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # ---- UNSUPPORTED: known to OpenAI or vLLM, refused unless off (server/structured_request.py) ----
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    prompt_cache_retention: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    include_stop_str_in_output: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    cache_salt: Any = None
+    vllm_xargs: Any = None
 
     def __post_init__(self) -> None:
         # As OpenAI and vLLM do: options of a stream are a mistake on a request that does not stream.
@@ -117,6 +173,14 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
+    # Extra variables for the model's chat template (vLLM's extension), e.g. `enable_thinking`.
+    chat_template_kwargs: dict[str, Any] | None = None
+    # ---- UNSUPPORTED (chat only) ----
+    continue_final_message: Any = None
+    chat_template: Any = None
+    documents: Any = None
+    add_special_tokens: Any = None
+    echo: Any = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -136,6 +200,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
+    # ---- UNSUPPORTED (completions only) ----
+    best_of: Any = None
 
 
 # ---- responses -------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ class StreamRecord(msgspec.Struct, omit_defaults=True, frozen=True):
     # Completions with echo=True: the prompt texts the stream starts with.
     echo_texts: list[str] = []
     frontend_id: str = ""
+    continuous_usage: bool = False
 
 
 stream_record_encoder = msgspec.msgpack.Encoder()

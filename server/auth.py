@@ -18,6 +18,8 @@ from server.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
 ADMIN_PREFIX = "/v1/admin"
+# vLLM's own LoRA paths, served beside /v1/admin/* (server/vllm_routes.py): admin routes too.
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 def parse_keys(value: str) -> list[str]:
@@ -83,7 +85,7 @@ class APIKeyAuth:
         """The error for a request to `path` carrying `token`, or None if it may pass."""
         if not self.enabled or path in OPEN_PATHS:
             return None
-        admin_route = path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/")
+        admin_route = path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/") or path in ADMIN_PATHS
         if not admin_route and not self._user:
             return None  # only an admin key is set: it guards the admin routes alone
         if token is None:

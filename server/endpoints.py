@@ -44,6 +44,7 @@ async def _remember(fe: Frontend, gen: Generation, kind: Kind, echo: bool) -> di
         topic=gen.reply_topic, offset=gen.first_offset, kind=kind.name, model=gen.model, created=gen.created,
         n=spec.n, prompt_lens=spec.prompt_lens, include_usage=spec.include_usage, logprobs=spec.logprobs,
         echo_texts=spec.prompt_texts if echo else [], frontend_id=fe.settings.frontend_id,
+        continuous_usage=spec.continuous_usage,
     )  # fmt: skip
     try:
         async with asyncio.timeout(fe.settings.kafka_timeout_s):

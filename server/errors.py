@@ -75,7 +75,17 @@ def from_validation_error(
     if isinstance(cause, FieldError):
         # A rule checked in __post_init__: msgspec names the Struct, the rule names the field in it.
         param = f"{path}.{cause.field}" if path else cause.field
-        return APIError(400, f"Invalid '{param}': {cause}", param=param, code="invalid_value")
+        return APIError(400, f"Invalid '{param}': {cause}", param=param, code=cause.code)
+    if text.startswith("Object contains unknown field `"):
+        # Request Structs forbid unknown fields: a field Ferry does not know is never silently ignored.
+        field = text.split("`")[1]
+        param = f"{path}.{field}" if path else field
+        return APIError(
+            400,
+            f"Unrecognized request argument supplied: '{param}'.",
+            param=param,
+            code="unsupported_parameter",
+        )
     if text.startswith("Object missing required field `"):
         field = text.split("`")[1]
         param = f"{path}.{field}" if path else field
@@ -99,9 +109,21 @@ def model_not_found(model: str) -> APIError:
     )
 
 
+# Worker error codes that mean the request itself cannot be served (a constraint the engine refused):
+# the client's error, whichever worker ran it (workers/vllm_params.py, workers/sim_output.py).
+CLIENT_ERROR_CODES = frozenset(
+    {
+        "context_length_exceeded",
+        "invalid_request",
+        "invalid_structured_output",
+        "unsupported_structured_output",
+    }
+)
+
+
 def error_status(error: ErrorInfo) -> APIError:
     """The HTTP error for a sequence that failed before anything was streamed."""
-    if error.code == "context_length_exceeded":
+    if error.code in CLIENT_ERROR_CODES:
         return APIError(400, error.message, code=error.code)
     if error.retriable:
         return APIError(503, error.message, code=error.code, retry_after=1)

@@ -20,6 +20,13 @@ from schemas.openai import (
 )
 from server.errors import APIError
 from server.model_files import ModelFiles
+from server.structured_request import (
+    check_min_tokens,
+    logit_bias,
+    refuse_unsupported,
+    structured_output,
+    template_kwargs,
+)
 
 # OpenAI's default for /v1/completions; chat defaults to whatever the context leaves.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -37,6 +44,8 @@ class Prepared:
     stream: bool
     include_usage: bool
     priority: int
+    # vLLM's `stream_options.continuous_usage_stats` (with include_usage): usage on every chunk.
+    continuous_usage: bool = False
 
 
 def _flatten_content(content: str | list[Any] | None, index: int) -> str:
@@ -76,7 +85,9 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def _sampling(req: SamplingFields, logprobs: int | None) -> SamplingParams:
+def _sampling(req: SamplingFields, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    refuse_unsupported(req)
+    check_min_tokens(req)
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -90,7 +101,17 @@ def _sampling(req: SamplingFields, logprobs: int | None) -> SamplingParams:
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        logit_bias=logit_bias(req, vocab_size),
+        min_p=req.min_p or 0.0,
+        min_tokens=req.min_tokens,
+        structured=structured_output(req),
     )
+
+
+def _continuous_usage(req: SamplingFields) -> bool:
+    # As vLLM: continuous usage only counts together with include_usage.
+    opts = req.stream_options
+    return bool(opts and opts.include_usage and opts.continuous_usage_stats)
 
 
 def _budget(requested: int | None, longest_prompt: int, max_model_len: int, param: str, what: str) -> int:
@@ -134,17 +155,19 @@ class Preprocessor:
     async def chat(self, req: ChatCompletionRequest, max_model_len: int) -> Prepared:
         """Template, tokenize and budget a chat request."""
         messages = chat_messages(req)
+        kwargs = template_kwargs(req)
         size = sum(len(m["content"]) for m in messages)
         try:
             if size > self._threshold:
                 loop = asyncio.get_running_loop()
                 text = await loop.run_in_executor(
-                    self._pool, self.model.render_chat, messages, req.add_generation_prompt
+                    self._pool, lambda: self.model.render_chat(messages, req.add_generation_prompt, **kwargs)
                 )
             else:
-                text = self.model.render_chat(messages, req.add_generation_prompt)
-        except jinja2.TemplateError as exc:
-            # The model's template refused the conversation (roles out of order, say): the client's error.
+                text = self.model.render_chat(messages, req.add_generation_prompt, **kwargs)
+        except (jinja2.TemplateError, TypeError, ValueError) as exc:
+            # The model's template refused the conversation (roles out of order, say) or failed on what the
+            # request gave it (a chat_template_kwargs value of the wrong type): the client's error.
             raise APIError(
                 400, f"The model's chat template rejected these messages: {exc}", param="messages",
                 code="invalid_value",
@@ -158,11 +181,12 @@ class Preprocessor:
             prompts=[ids],
             prompt_texts=[text],
             max_tokens=max_tokens,
-            sampling=_sampling(req, logprobs),
+            sampling=_sampling(req, logprobs, self.model.vocab_size),
             n=req.n,
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             priority=req.priority,
+            continuous_usage=_continuous_usage(req),
         )
 
     async def completion(self, req: CompletionRequest, max_model_len: int) -> Prepared:
@@ -177,11 +201,12 @@ class Preprocessor:
             prompts=prompts,
             prompt_texts=texts,
             max_tokens=max_tokens,
-            sampling=_sampling(req, req.logprobs),
+            sampling=_sampling(req, req.logprobs, self.model.vocab_size),
             n=req.n,
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             priority=req.priority,
+            continuous_usage=_continuous_usage(req),
         )
 
     async def _prompts(self, prompt: str | list[Any]) -> tuple[list[list[int]], list[str]]:
@@ -213,7 +238,9 @@ class Preprocessor:
                 ids = list(item)
                 if any(t >= vocab for t in ids):
                     raise APIError(
-                        400, f"Token ids must be below the vocabulary size {vocab}.", param="prompt",
+                        400,
+                        f"Token ids must be below the vocabulary size {vocab}.",
+                        param="prompt",
                         code="invalid_value",
                     )
                 text = self.model.decode(ids, skip_special_tokens=False)

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
+import msgspec
+
 from schemas.kafka import Chunk, ErrorInfo
-from schemas.openai import ErrorDetail, ErrorResponse, json_encoder
+from schemas.openai import ErrorDetail, ErrorResponse, Usage, json_encoder
 from server.errors import error_status
 from server.logprobs import LogprobFormatter
 from server.shapes import ChoiceDelta, ChoiceState, Events, usage_of
 from server.sse import DONE, KEEPALIVE, event
-from server.streams import ChunkSource, Sequence
+from server.streams import ChunkSource, Sequence, StreamSpec
 
 _encode = json_encoder.encode
 
@@ -34,6 +36,7 @@ def _error_event(error: ErrorInfo) -> bytes:
 
 
 def _record(src: ChunkSource, state: ChoiceState, c: Chunk) -> None:
+    state.tokens += len(c.token_ids)
     if c.finish_reason is not None:
         state.finish_reason = c.finish_reason
     if c.usage is not None:
@@ -42,6 +45,15 @@ def _record(src: ChunkSource, state: ChoiceState, c: Chunk) -> None:
         if m is not None:
             m.completion_tokens.inc(c.usage.completion_tokens)
             m.cached_tokens.inc(c.usage.cached_tokens)
+
+
+def _running_usage(body: msgspec.Struct, spec: StreamSpec, tokens: int) -> msgspec.Struct:
+    """vLLM's continuous usage stats on a choice's event: its prompt and the `tokens` it has produced so far."""
+    choices = getattr(body, "choices", None)
+    if not spec.continuous_usage or not choices:
+        return body
+    prompt = spec.prompt_lens[choices[0].index // spec.n]
+    return msgspec.structs.replace(body, usage=Usage(prompt, tokens, prompt + tokens))
 
 
 def _states(src: ChunkSource) -> dict[int, ChoiceState]:
@@ -69,8 +81,11 @@ def _deltas(
             if c.logprobs:
                 last.logprobs = last.logprobs + c.logprobs
             last.finish_reason = c.finish_reason
+            last.tokens = states[seq.choice].tokens
         else:
-            out.append(ChoiceDelta(seq.choice, c.text, c.logprobs, c.finish_reason))
+            out.append(
+                ChoiceDelta(seq.choice, c.text, c.logprobs, c.finish_reason, states[seq.choice].tokens)
+            )
     return out, None
 
 
@@ -97,7 +112,7 @@ async def stream(
 
     try:
         for body in events.opening():
-            emit(body)
+            emit(_running_usage(body, src.spec, 0))
         if out:
             yield flush()
         async for batch in src.chunks():
@@ -107,7 +122,7 @@ async def stream(
             # Resumable streams number one event per chunk; others merge what arrived together.
             deltas, error = _deltas(src, states, batch, merge=not ids)
             for d in deltas:
-                emit(events.delta(d))
+                emit(_running_usage(events.delta(d), src.spec, d.tokens))
             if error is not None:
                 out.append(_error_event(error))
                 out.append(DONE)

@@ -60,6 +60,7 @@ class Replay:
             include_usage=record.include_usage,
             logprobs=record.logprobs,
             prompt_texts=record.echo_texts,
+            continuous_usage=record.continuous_usage,
         )
         self.metrics: FrontendMetrics | None = None
         self.stream = ClientStream(request_id)

@@ -38,6 +38,7 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: ChunkUsage | None = None
+    tokens: int = 0  # produced so far (continuous usage stats)
 
 
 @dataclass(slots=True)
@@ -48,6 +49,7 @@ class ChoiceDelta:
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    tokens: int = 0  # the choice's tokens up to and including this delta (continuous usage stats)
 
 
 def finish(reason: str | None) -> str | None:

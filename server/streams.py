@@ -83,6 +83,7 @@ class StreamSpec:
     include_usage: bool = False
     logprobs: bool = False
     prompt_texts: list[str] = field(default_factory=list)
+    continuous_usage: bool = False
 
 
 def marker(request_id: str, attempt: int, worker_id: str) -> Chunk:

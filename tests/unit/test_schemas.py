@@ -39,7 +39,7 @@ def test_chat_request_accepts_what_clients_send() -> None:
         ],
         "max_completion_tokens": 5, "temperature": 0.2, "top_p": 0.9, "n": 2, "stop": ["x"], "seed": 1,
         "stream": True, "stream_options": {"include_usage": True}, "presence_penalty": 0.5,
-        "frequency_penalty": -0.5, "logprobs": True, "top_logprobs": 3, "user": "u", "some_new_field": 1,
+        "frequency_penalty": -0.5, "logprobs": True, "top_logprobs": 3, "user": "u",
     }
     req = chat_request_decoder.decode(json.dumps(body))
     assert req.messages[1].content == [TextPart("hi")]

@@ -1,0 +1,117 @@
+"""The request surface real clients use, through the frontend onto real vLLM workers with the official
+`openai` client: structured outputs that validate, vLLM's request extensions, /tokenize counts that match
+what generation counts, and vLLM's own LoRA paths."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import pytest_asyncio
+from openai.types.chat import ChatCompletionMessageParam
+from pydantic import BaseModel, Field
+
+from schemas.settings import DEFAULT_MODEL_NAME as BASE
+from tests.vllm.lora_adapter import make_adapter
+from tests.vllm.stack import VllmStack
+
+pytestmark = pytest.mark.vllm
+
+QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the capital of France? Answer in JSON."}
+]
+
+
+class Capital(BaseModel):
+    city: str = Field(max_length=24)
+    country: str = Field(max_length=24)
+    is_capital: bool
+
+
+@pytest_asyncio.fixture
+async def client(vllm_stack: VllmStack) -> AsyncIterator[openai.AsyncOpenAI]:
+    await vllm_stack.ensure_workers()
+    async with openai.AsyncOpenAI(
+        base_url=f"{vllm_stack.url}/v1", api_key="unused", max_retries=0, timeout=300
+    ) as c:
+        yield c
+
+
+async def test_parse_returns_a_schema_valid_object(client: openai.AsyncOpenAI) -> None:
+    done = await client.chat.completions.parse(
+        model=BASE, messages=QUESTION, response_format=Capital, max_tokens=96, temperature=0
+    )
+    assert isinstance(done.choices[0].message.parsed, Capital), done.choices[0].message.content
+
+
+async def test_json_schema_streamed_validates(client: openai.AsyncOpenAI) -> None:
+    schema = Capital.model_json_schema()
+    stream = await client.chat.completions.create(
+        model=BASE, messages=QUESTION, max_tokens=96, temperature=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    jsonschema.validate(json.loads(text), schema)
+
+
+async def test_json_object_choice_and_regex(client: openai.AsyncOpenAI) -> None:
+    obj = await client.chat.completions.create(
+        model=BASE, messages=QUESTION, max_tokens=64, temperature=0, response_format={"type": "json_object"}
+    )
+    # 64 tokens may cut an object short; what was written is still the start of one.
+    content = obj.choices[0].message.content or ""
+    assert content.lstrip().startswith("{")
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+    choice = await client.chat.completions.create(
+        model=BASE, messages=QUESTION, max_tokens=8, temperature=0,
+        extra_body={"structured_outputs": {"choice": ["Paris", "Lyon"]}},
+    )  # fmt: skip
+    assert choice.choices[0].message.content in ("Paris", "Lyon")
+    regex = await client.completions.create(
+        model=BASE, prompt="The capital of France is", max_tokens=12, temperature=0,
+        extra_body={"guided_regex": " [A-Z][a-z]{2,9}\\."},
+    )  # fmt: skip
+    assert re.fullmatch(r" [A-Z][a-z]{2,9}\.", regex.choices[0].text)
+
+
+async def test_an_invalid_schema_is_refused_before_any_worker(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(
+            model=BASE, messages=QUESTION,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}},
+        )  # fmt: skip
+    assert err.value.param == "response_format.json_schema.schema"
+
+
+async def test_tokenize_counts_what_generation_counts(vllm_stack: VllmStack) -> None:
+    async with httpx.AsyncClient(base_url=vllm_stack.url, timeout=300) as c:
+        counted = (await c.post("/tokenize", json={"model": BASE, "messages": QUESTION})).json()
+        done = await c.post("/v1/chat/completions", json={"model": BASE, "messages": QUESTION, "max_tokens": 1})
+        assert counted["count"] == done.json()["usage"]["prompt_tokens"]
+        back = (await c.post("/detokenize", json={"tokens": counted["tokens"]})).json()["prompt"]
+        assert "capital of France" in back
+
+
+async def test_vllm_lora_paths_load_and_unload(vllm_stack: VllmStack, model_path: Path, tmp_path: Path) -> None:
+    adapter = await asyncio.to_thread(make_adapter, model_path, tmp_path / "surface-lora")
+    async with httpx.AsyncClient(base_url=vllm_stack.url, timeout=300) as c:
+        r = await c.post("/v1/load_lora_adapter", json={"lora_name": "surface-lora", "lora_path": str(adapter)})
+        assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'surface-lora' added successfully.")
+        assert "surface-lora" in {m["id"] for m in (await c.get("/v1/models")).json()["data"]}
+        tuned = await c.post(
+            "/v1/chat/completions",
+            json={"model": "surface-lora", "messages": QUESTION, "max_tokens": 4, "temperature": 0},
+        )
+        assert tuned.status_code == 200, tuned.text
+        r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "surface-lora"})
+        assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'surface-lora' removed successfully.")
+        r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "surface-lora"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "lora_not_found"
