@@ -13,46 +13,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # Each package, what it is for, and what of ours it may import (tests/unit/test_layout.py enforces it).
 PACKAGES: list[tuple[str, str, str]] = [
-    (
-        "schemas",
-        "the contracts: every message that crosses a process, topic and key names, setting declarations",
-        "nothing of ours",
-    ),
-    (
-        "kvstore",
-        "everything kept in Redis: registry, KV block index, shared load, batch and resume records, "
-        "block hashing",
-        "`schemas`",
-    ),
-    (
-        "bus",
-        "everything Kafka: producing, the one consumer-loop owner every reader uses, topic admin, "
-        "log-reset detection",
-        "`schemas`",
-    ),
-    (
-        "workers",
-        "the worker process: inbox, serving, outbox, heartbeat, engines (`sim`, `vllm`), KV events, "
-        "batch work",
-        "`schemas`, `kvstore`, `bus`",
-    ),
-    (
-        "server",
-        "the frontend: HTTP routes, preprocessing, routing, reply demultiplexing, migration, SSE, "
-        "the batch API",
-        "`schemas`, `kvstore`, `bus`",
-    ),
-    (
-        "planner",
-        "the autoscaler: latency, load and Kafka-lag inputs, the SLO policy, actuators (local "
-        "processes, Kubernetes, a gauge for KEDA)",
-        "`schemas`, `kvstore`, `bus`",
-    ),
-    (
-        "launch",
-        "the `ferry` CLI, flag and environment loading, `ferry up`'s local stack, `model prepare`",
-        "everything; nothing imports it",
-    ),
+    ("schemas", "the contracts: every message that crosses a process, topic and key names, setting declarations",
+     "nothing of ours"),
+    ("kvstore", "everything kept in Redis: registry, KV block index, shared load, batch and resume records, "
+     "block hashing", "`schemas`"),
+    ("bus", "everything Kafka: producing, the one consumer-loop owner every reader uses, topic admin, "
+     "log-reset detection", "`schemas`"),
+    ("workers", "the worker process: inbox, serving, outbox, heartbeat, engines (`sim`, `vllm`), KV events, "
+     "batch work", "`schemas`, `kvstore`, `bus`"),
+    ("server", "the frontend: HTTP routes, preprocessing, routing, reply demultiplexing, migration, SSE, "
+     "the batch API", "`schemas`, `kvstore`, `bus`"),
+    ("planner", "the autoscaler: latency, load and Kafka-lag inputs, the SLO policy, actuators (local "
+     "processes, Kubernetes, a gauge for KEDA)", "`schemas`, `kvstore`, `bus`"),
+    ("launch", "the `ferry` CLI, flag and environment loading, `ferry up`'s local stack, `model prepare`",
+     "everything; nothing imports it"),
 ]
 BEGIN, END = "<!-- layout:begin -->", "<!-- layout:end -->"
 

@@ -36,9 +36,7 @@ class Child:
         self.log: TextIO | None = None  # where every line is also written, when set
 
     @classmethod
-    async def spawn(
-        cls, name: str, argv: Sequence[str], echo: bool = True, env: dict[str, str] | None = None
-    ) -> Child:
+    async def spawn(cls, name: str, argv: Sequence[str], echo: bool = True, env: dict[str, str] | None = None) -> Child:
         """Start `argv` with stdout and stderr merged into one relayed pipe."""
         proc = await asyncio.create_subprocess_exec(
             *argv,
@@ -76,10 +74,8 @@ class Child:
         try:
             return await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:
-            raise TimeoutError(
-                f"{self.name} was not ready after {timeout_s:.0f}s; last output:\n"
-                + "\n".join(self.tail[-15:])
-            ) from None
+            raise TimeoutError(f"{self.name} was not ready after {timeout_s:.0f}s; last output:\n"
+                               + "\n".join(self.tail[-15:])) from None
 
     async def stop(self, timeout_s: float = 10.0) -> int | None:
         """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
@@ -127,18 +123,14 @@ async def wait_port(host: str, port: int, timeout_s: float, child: Child) -> Non
     delay = 0.01
     while True:
         if child.proc.returncode is not None:
-            raise RuntimeError(
-                f"{child.name} exited with code {child.proc.returncode}:\n" + "\n".join(child.tail)
-            )
+            raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}:\n" + "\n".join(child.tail))
         try:
             _r, w = await asyncio.open_connection(host, port)
             w.close()
             return
         except OSError:
             if loop.time() > deadline:
-                raise TimeoutError(
-                    f"{child.name} did not listen on {host}:{port} in {timeout_s:.0f}s"
-                ) from None
+                raise TimeoutError(f"{child.name} did not listen on {host}:{port} in {timeout_s:.0f}s") from None
             # A socket that does not listen yet gives nothing to await; back off briefly and retry.
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
@@ -162,19 +154,8 @@ async def start_redis(port: int | None = None, echo: bool = False) -> tuple[Chil
     port = port or free_port()
     child = await Child.spawn(
         "redis",
-        [
-            redis_binary(),
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--protected-mode",
-            "yes",
-        ],
+        [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--protected-mode", "yes"],
         echo=echo,
     )
     await child.wait_for_line(lambda line: "Ready to accept connections" in line, 30)
