@@ -155,19 +155,19 @@ class Policy:
         # Little's law: concurrency scales with the arrival rate; never plan below what is already there.
         return max(now, now * ahead / level)
 
-    def _batch_workers(self, obs: Observation, interactive: int) -> int:
-        """Extra workers for the batch backlog, within its own budget."""
+    def _batch_workers(self, obs: Observation) -> int:
+        """Workers the batch backlog needs in all to be cleared within the horizon (0 without a backlog).
+
+        Every worker takes batch work with its spare capacity, so this is the fleet size at which the
+        pool's observed per-worker rate clears the backlog in time; decide() caps it at the batch budget.
+        """
         c = self.config
-        if obs.pool_lag <= 0 or c.batch_max_workers <= 0:
+        if obs.pool_lag <= 0:
             return 0
         need_rate = obs.pool_lag / c.batch_horizon_s
-        have = obs.pool_rate or 0.0
-        per_worker = have / max(obs.ready, 1)
-        if have >= need_rate:
-            return 0
-        if per_worker <= 0:
-            return 1  # backlog and nothing taken: one more worker to start it
-        return min(c.batch_max_workers, math.ceil((need_rate - have) / per_worker))
+        if not obs.pool_rate or not obs.ready:
+            return obs.ready + 1  # backlog and nothing taken: the workers have no spare capacity
+        return math.ceil(need_rate / (obs.pool_rate / obs.ready))
 
     # ---- the decision ---------------------------------------------------------------------------
 
@@ -186,19 +186,18 @@ class Policy:
         # Latency over target with work queued says capacity is short whatever the estimate says.
         queued = obs.waiting + obs.worker_lag
         if obs.ttft_p90_s is not None and obs.ttft_p90_s > c.ttft_p90_target_s and queued > 0:
-            need, reason = max(need, obs.ready + 1), Reason.SLO_TTFT
+            need, reason = max(need, current + 1), Reason.SLO_TTFT
         elif obs.itl_p90_s is not None and obs.itl_p90_s > c.itl_p90_target_s and obs.running > 0:
-            need, reason = max(need, obs.ready + 1), Reason.SLO_ITL
+            need, reason = max(need, current + 1), Reason.SLO_ITL
         elif obs.ready and obs.kv_usage >= c.kv_usage_high:
-            need, reason = max(need, obs.ready + 1), Reason.KV_PRESSURE
+            need, reason = max(need, current + 1), Reason.KV_PRESSURE
         elif obs.ready and queued > obs.ready * self.capacity * (1 - c.target_utilisation):
-            need, reason = max(need, obs.ready + 1), Reason.QUEUE
-        batch = self._batch_workers(obs, need)
-        if batch and need + batch > current:
-            need, reason = need + batch, Reason.BATCH
+            need, reason = max(need, current + 1), Reason.QUEUE
+        # Batch backlog gets workers of its own budget above the interactive need, never the other way.
+        batch = min(self._batch_workers(obs), need + c.batch_max_workers)
+        if batch > need:
+            need, reason = batch, Reason.BATCH
             detail += f", pool lag {obs.pool_lag}"
-        else:
-            need += min(batch, max(0, current - need))  # batch keeps the workers it has from being removed
         capped = need > c.max_workers
         need = min(need, c.max_workers)
         if current < c.min_workers:
@@ -215,7 +214,7 @@ class Policy:
         if capped:
             self._calm = 0
             return Decision(current, Action.HOLD, Reason.AT_MAX, detail)
-        return self._maybe_in(obs, predicted, current, now, detail)
+        return self._maybe_in(obs, need, predicted, current, now, detail)
 
     def _maybe_in(
         self, obs: Observation, predicted: float, current: int, now: float, detail: str
@@ -223,7 +222,9 @@ class Policy:
         """Remove one worker if the others would stay below the scale-in utilisation for long enough."""
         c = self.config
         fewer = current - 1
-        fits = fewer >= c.min_workers and predicted <= fewer * self.capacity * c.scale_in_utilisation
+        fits = (
+            fewer >= max(c.min_workers, need) and predicted <= fewer * self.capacity * c.scale_in_utilisation
+        )
         busy = (
             obs.starting or obs.draining or obs.waiting or obs.worker_lag or obs.kv_usage >= c.kv_usage_high
         )
