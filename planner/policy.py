@@ -217,7 +217,7 @@ class Policy:
         return self._maybe_in(obs, need, predicted, current, now, detail)
 
     def _maybe_in(
-        self, obs: Observation, predicted: float, current: int, now: float, detail: str
+        self, obs: Observation, need: int, predicted: float, current: int, now: float, detail: str
     ) -> Decision:
         """Remove one worker if the others would stay below the scale-in utilisation for long enough."""
         c = self.config

@@ -7,7 +7,7 @@ import asyncio
 import json
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from threading import Thread
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import pytest
@@ -158,7 +158,7 @@ class _FakeApi(BaseHTTPRequestHandler):
     """A Kubernetes API server that knows one Deployment's scale subresource."""
 
     replicas = 2
-    patches: list[tuple[str, str, dict[str, Any]]] = []
+    patches: ClassVar[list[tuple[str, str, dict[str, Any]]]] = []
 
     def _send(self, code: int, body: dict[str, Any]) -> None:
         raw = json.dumps(body).encode()
