@@ -120,8 +120,8 @@ class Policy:
 
         Latency grows with concurrency, so at c sequences per worker with p90 latency l against target L the
         capacity is about c x L / l. Below a third of the current estimate latency is mostly fixed cost and
-        says little about capacity, so only violations lower it then; each step is bounded (x0.5 to x1.5)
-        and smoothed, so one noisy interval cannot swing the fleet.
+        says little about capacity, so only violations count then. Met targets only raise the estimate and
+        missed ones only lower it; each step is bounded (x0.5 to x1.5) and smoothed, so one noisy interval cannot swing the fleet.
         """
         c = self.config
         if obs.ready == 0 or obs.concurrency == 0:
@@ -138,6 +138,8 @@ class Policy:
         if ratio >= 1 and per_worker < self.capacity / 3:
             return
         estimate = min(max(per_worker * ratio, self.capacity * 0.5), self.capacity * 1.5)
+        # Targets met: a lower bound, never a reason to think less of a worker; missed: an upper bound.
+        estimate = max(estimate, self.capacity) if ratio >= 1 else min(estimate, self.capacity)
         self.capacity = max(1.0, 0.6 * self.capacity + 0.4 * estimate)
 
     def _forecast(self, obs: Observation) -> float:
