@@ -42,10 +42,11 @@ class Planner:
         actuator: Actuator,
         metrics: PlannerMetrics,
         clock: Callable[[], float] = time.monotonic,
+        policy: Policy | None = None,
     ) -> None:
         self.settings = settings
         self.model = model
-        self.policy = Policy(settings)
+        self.policy = policy or Policy(settings)
         self._registry = registry
         self._latency = latency
         self._lag = lag
