@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from bench.routing.client import request_body
-from bench.workload import WorkItem, read_trace, trace_workload
+from bench.workload import DEFAULT_TRACE, WorkItem, read_trace, trace_workload
 from launch.autoscale import LocalWorkers, start_planner
 from launch.services import Child, free_port, start_broker, start_redis
 from planner.policy import Action, Decision, Observation, Policy, Reason
@@ -247,9 +247,10 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64, help="cap on the trace's (scaled) output lengths")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="the conversation trace (JSONL)")
     ap.add_argument("--model-path", default=str(default_model_dir()))
     args = ap.parse_args(argv)
-    work = trace_workload(read_trace(), max_requests=5_000)
+    work = trace_workload(read_trace(args.trace), max_requests=5_000)
     items = [
         dataclasses.replace(i, max_tokens=max(4, min(i.max_tokens, args.max_tokens))) for i in work.items
     ]
