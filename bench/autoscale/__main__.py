@@ -24,6 +24,7 @@ import math
 import random
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,7 @@ class Result:
     ok: bool
     ttft: float = math.inf
     itl: float = math.inf
+    error: str = ""  # why it failed: an HTTP status, an error event's type, a short stream, a client error
 
 
 async def one(c: httpx.AsyncClient, item: WorkItem, t0: float) -> Result:
@@ -82,23 +84,23 @@ async def one(c: httpx.AsyncClient, item: WorkItem, t0: float) -> Result:
     try:
         async with c.stream("POST", "/v1/completions", content=request_body(MODEL, item)) as r:
             if r.status_code != 200:
-                return Result(start - t0, False)
+                return Result(start - t0, False, error=f"http {r.status_code}")
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 data = json.loads(line[6:])
                 if "error" in data:
-                    return Result(start - t0, False)
+                    return Result(start - t0, False, error=str(data["error"].get("type", "error event")))
                 if data.get("choices") and data["choices"][0].get("text"):
                     now = time.monotonic()
                     first = first or now
                     last = now
                 if data.get("usage"):
                     tokens = data["usage"]["completion_tokens"]
-    except httpx.HTTPError:
-        return Result(start - t0, False)
+    except httpx.HTTPError as exc:
+        return Result(start - t0, False, error=type(exc).__name__)
     if tokens != item.max_tokens or not first:
-        return Result(start - t0, False)
+        return Result(start - t0, False, error=f"{tokens} of {item.max_tokens} tokens")
     return Result(start - t0, True, first - start, (last - first) / max(tokens - 1, 1))
 
 
@@ -210,6 +212,7 @@ def summarise(name: str, args: argparse.Namespace, results: list[Result], worker
         "system": name,
         "requests": len(results),
         "failed": len(results) - len(ok),
+        "failures": dict(Counter(r.error for r in results if not r.ok)),
         "slo_attainment": round(len(within) / max(len(results), 1), 4),
         "ttft_p90_s": round(_p(sorted(r.ttft for r in ok), 0.9), 3),
         "itl_p90_s": round(_p(sorted(r.itl for r in ok), 0.9), 4),
