@@ -118,10 +118,10 @@ class Policy:
     def _learn_capacity(self, obs: Observation) -> None:
         """Move the per-worker capacity towards what this interval shows.
 
-        Latency grows with concurrency, so at c sequences per worker with p90 latency l against target L the
-        capacity is about c x L / l. Below a third of the current estimate latency is mostly fixed cost and
-        says little about capacity, so only violations count then. Met targets only raise the estimate and
-        missed ones only lower it; each step is bounded (x0.5 to x1.5) and smoothed, so one noisy interval cannot swing the fleet.
+        Latency grows with concurrency, so at c sequences per worker with p90 latency l over the target L the
+        capacity is about c x L / l: a missed target lowers the estimate (at most by half a step). A met
+        target only raises it when the load was near the estimate, and to at most 1.25 x the load carried.
+        Steps are smoothed, so one noisy interval cannot swing the fleet.
         """
         c = self.config
         if obs.ready == 0 or obs.concurrency == 0:
@@ -135,11 +135,14 @@ class Policy:
         if not ratios:
             return
         ratio = min(ratios)
-        if ratio >= 1 and per_worker < self.capacity / 3:
-            return
-        estimate = min(max(per_worker * ratio, self.capacity * 0.5), self.capacity * 1.5)
-        # Targets met: a lower bound, never a reason to think less of a worker; missed: an upper bound.
-        estimate = max(estimate, self.capacity) if ratio >= 1 else min(estimate, self.capacity)
+        if ratio >= 1:
+            # Met targets prove the load carried, not what latency extrapolates to (at low load latency is
+            # mostly fixed cost): raise the estimate only near it, and only a little beyond what was carried.
+            if per_worker < 0.8 * self.capacity:
+                return
+            estimate = max(self.capacity, min(per_worker * ratio, per_worker * 1.25))
+        else:
+            estimate = min(self.capacity, max(per_worker * ratio, self.capacity * 0.5))
         self.capacity = max(1.0, 0.6 * self.capacity + 0.4 * estimate)
 
     def _forecast(self, obs: Observation) -> float:
