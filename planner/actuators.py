@@ -38,12 +38,17 @@ class Actuator(Protocol):
 class GaugeOnly:
     """Acts on nothing: the desired count is only published as a metric (KEDA reads it)."""
 
+    def __init__(self) -> None:
+        self._desired: int | None = None
+
     async def scale(self, desired: int) -> None:
-        """Nothing to do; the planner sets the gauge."""
+        """Remember the count; the planner sets the gauge."""
+        self._desired = desired
 
     def starting(self, registered: int) -> int:
-        """Nothing is started here."""
-        return 0
+        """Workers asked for beyond those registered: someone else is starting them, and until they come the
+        planner must keep asking for them (a gauge that fell back while they start would undo the scale-out)."""
+        return 0 if self._desired is None else max(0, self._desired - registered)
 
 
 class KubernetesDeployment:

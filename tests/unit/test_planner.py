@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import httpx
 import pytest
 
-from planner.actuators import KubernetesDeployment
+from planner.actuators import GaugeOnly, KubernetesDeployment
 from planner.latency import ITL, TTFT, parse_histograms, quantile
 from planner.policy import Action, Observation, Policy, Reason
 from schemas.settings import PlannerPolicySettings
@@ -152,6 +152,16 @@ def test_histograms_are_summed_over_label_sets_of_the_model_only() -> None:
 
 
 PATH = "/apis/apps/v1/namespaces/llm/deployments/ferry-worker/scale"
+
+
+async def test_the_gauge_keeps_asking_for_workers_someone_else_starts() -> None:
+    gauge = GaugeOnly()
+    assert gauge.starting(registered=1) == 0
+    await gauge.scale(3)
+    assert gauge.starting(registered=1) == 2  # KEDA has not started them yet: still wanted
+    assert gauge.starting(registered=3) == 0
+    await gauge.scale(2)
+    assert gauge.starting(registered=3) == 0
 
 
 class _FakeApi(BaseHTTPRequestHandler):
