@@ -18,7 +18,7 @@ run: setup
 
 test: model
 	@$(VENV)/bin/ruff check --quiet .
-	@$(VENV)/bin/mypy --no-error-summary schemas kvstore bus workers server launch tests bench
+	@$(VENV)/bin/mypy --no-error-summary schemas kvstore bus workers server planner launch tests bench
 	@$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: setup

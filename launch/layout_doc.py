@@ -23,6 +23,8 @@ PACKAGES: list[tuple[str, str, str]] = [
      "batch work", "`schemas`, `kvstore`, `bus`"),
     ("server", "the frontend: HTTP routes, preprocessing, routing, reply demultiplexing, migration, SSE, "
      "the batch API", "`schemas`, `kvstore`, `bus`"),
+    ("planner", "the autoscaler: latency, load and Kafka-lag inputs, the SLO policy, actuators (local "
+     "processes, Kubernetes, a gauge for KEDA)", "`schemas`, `kvstore`, `bus`"),
     ("launch", "the `ferry` CLI, flag and environment loading, `ferry up`'s local stack, `model prepare`",
      "everything; nothing imports it"),
 ]

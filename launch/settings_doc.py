@@ -10,7 +10,15 @@ from typing import Any
 
 from launch.flags import default_text, sections
 from launch.stack import PER_CHILD
-from schemas.settings import ENV_PREFIX, CommonSettings, FrontendSettings, StackSettings, WorkerSettings
+from schemas.settings import (
+    ENV_PREFIX,
+    CommonSettings,
+    FrontendSettings,
+    PlannerPolicySettings,
+    PlannerSettings,
+    StackSettings,
+    WorkerSettings,
+)
 
 UP_TITLE = "`ferry up`"
 
@@ -21,12 +29,15 @@ def markdown_tables() -> str:
     ids = " and ".join(f"`--{name.replace('_', '-')}`" for name in PER_CHILD)
     up_intro = (
         f"`ferry up` takes every flag above except {ids} (it names each child itself) and passes each child "
-        "the ones it takes; there `--port 0` picks a free port. Its own flags:"
+        "the ones it takes; there `--port 0` picks a free port. With `--autoscale` it also takes the planner's "
+        f"targets and limits ({', '.join(_flags(PlannerPolicySettings)[:3])}, ...: the second group of the "
+        "planner's table) and runs the planner on its own workers. Its own flags:"
     )
     tables: list[tuple[str, str, type[Any], set[str]]] = [
         ("Shared by frontends and workers", "", CommonSettings, set()),
         ("Frontend only (`ferry frontend`)", "", FrontendSettings, common),
         ("Worker only (`ferry worker`)", "", WorkerSettings, common),
+        ("Planner only (`ferry planner`)", "", PlannerSettings, common),
         (UP_TITLE, up_intro, StackSettings, set()),
     ]
     out: list[str] = []
@@ -44,6 +55,10 @@ def markdown_tables() -> str:
             )
         out.append("")
     return "\n".join(out)
+
+
+def _flags(cls: type[Any]) -> list[str]:
+    return [f"`--{f.name.replace('_', '-')}`" for f in dataclasses.fields(cls)]
 
 
 def rewrite_tables(doc: str) -> str:

@@ -10,11 +10,13 @@ import logging
 import secrets
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from typing import Any
 
+from launch.autoscale import LocalPlanner, LocalWorkers, start_planner
 from launch.flags import EPILOG, add_flags, from_namespace, given, to_argv
 from launch.services import Child, free_port, start_broker, start_redis
-from schemas.settings import FrontendSettings, StackSettings, WorkerSettings
+from schemas.settings import FrontendSettings, PlannerPolicySettings, StackSettings, WorkerSettings
 
 log = logging.getLogger("ferry.stack")
 
@@ -33,6 +35,7 @@ class Stack:
     worker: WorkerSettings
     frontend_flags: list[str]
     worker_flags: list[str]
+    planner: PlannerPolicySettings = dataclasses.field(default_factory=PlannerPolicySettings)
 
 
 def stack_parser() -> argparse.ArgumentParser:
@@ -46,7 +49,7 @@ def stack_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
     )
     taken = set(PER_CHILD)
-    for cls in (StackSettings, FrontendSettings, WorkerSettings):
+    for cls in (StackSettings, FrontendSettings, WorkerSettings, PlannerPolicySettings):
         add_flags(parser, cls, taken)
     return parser
 
@@ -58,14 +61,20 @@ def load_stack(argv: Sequence[str] | None = None) -> Stack:
     # Only what was given as a flag is passed on: a child reads the same variables and defaults itself,
     # and a key set through FERRY_API_KEYS stays out of `ps`.
     passed = given(ns) - set(_CHOSEN)
-    return Stack(from_namespace(StackSettings, ns), frontend, worker, to_argv(frontend, only=passed),
-                 to_argv(worker, only=passed))  # fmt: skip
+    settings, planner = from_namespace(StackSettings, ns), from_namespace(PlannerPolicySettings, ns)
+    if settings.autoscale and not planner.min_workers <= settings.workers <= planner.max_workers:
+        raise SystemExit(
+            f"ferry up --autoscale: --workers {settings.workers} (the starting count) must lie between "
+            f"--min-workers {planner.min_workers} and --max-workers {planner.max_workers}"
+        )
+    return Stack(settings, frontend, worker, to_argv(frontend, only=passed), to_argv(worker, only=passed),
+                 planner)  # fmt: skip
 
 
-def _worker_argv(stack: Stack, kafka: str, redis: str, index: int) -> list[str]:
+def _worker_argv(stack: Stack, kafka: str, redis: str, name: str) -> list[str]:
     return [
         sys.executable, "-m", "launch", "worker",
-        "--worker-id", f"worker-{index}", "--kafka", kafka, "--redis", redis,
+        "--worker-id", name, "--kafka", kafka, "--redis", redis,
         *stack.worker_flags,
     ]  # fmt: skip
 
@@ -81,8 +90,17 @@ def _frontend_argv(stack: Stack, kafka: str, redis: str, port: int) -> list[str]
     ]  # fmt: skip
 
 
-async def _start(stack: Stack, services: list[Child], workers: list[Child], fronts: list[Child]) -> str:
-    """Start services, workers and the frontend (recording each child as it starts); return the URL."""
+@dataclasses.dataclass
+class Started:
+    """Where the started stack is."""
+
+    url: str
+    kafka: str
+    redis: str
+
+
+async def _start(stack: Stack, services: list[Child], workers: list[Child], fronts: list[Child]) -> Started:
+    """Start services, workers and the frontend (recording each child as it starts)."""
     s, fe = stack.settings, stack.frontend
     kafka, redis = s.kafka, s.redis
     if not kafka:
@@ -94,7 +112,7 @@ async def _start(stack: Stack, services: list[Child], workers: list[Child], fron
         services.append(child)
         log.info("embedded Redis on %s", redis)
     for i in range(s.workers):
-        workers.append(await Child.spawn(f"worker-{i}", _worker_argv(stack, kafka, redis, i)))
+        workers.append(await Child.spawn(f"worker-{i}", _worker_argv(stack, kafka, redis, f"worker-{i}")))
     await asyncio.gather(
         *(
             w.wait_for_line(lambda line: line.startswith("ferry-worker-ready"), s.ready_timeout_s)
@@ -109,8 +127,11 @@ async def _start(stack: Stack, services: list[Child], workers: list[Child], fron
     # not flags, so keys never show in `ps`) unless they were flags here; the example names the header
     # without printing a key.
     auth = "-H 'Authorization: Bearer YOUR_KEY' " if fe.api_keys else ""
+    p = stack.planner
+    scaling = f", autoscaled {p.min_workers}-{p.max_workers}" if s.autoscale else ""
     print(
-        f"\nFerry is up: {url}  (model {fe.served_model_name}, {s.workers} {stack.worker.engine} worker(s))\n"
+        f"\nFerry is up: {url}  (model {fe.served_model_name}, {s.workers} {stack.worker.engine} worker(s)"
+        f"{scaling})\n"
         f"Kafka {kafka}  Redis {redis}  metrics {url}/metrics\n\n"
         f"  curl -N {url}/v1/chat/completions {auth}-H 'Content-Type: application/json' \\\n"
         f'    -d \'{{"model": "{fe.served_model_name}", "stream": true, '
@@ -119,7 +140,27 @@ async def _start(stack: Stack, services: list[Child], workers: list[Child], fron
         f"ferry-ready {url}",
         flush=True,
     )
-    return url
+    return Started(url, kafka, redis)
+
+
+async def _autoscale(stack: Stack, started: Started, workers: list[Child]) -> LocalPlanner:
+    """Hand the started workers to the local actuator and build the planner on them."""
+
+    def spawn(name: str) -> Awaitable[Child]:
+        return Child.spawn(name, _worker_argv(stack, started.kafka, started.redis, name))
+
+    actuator = LocalWorkers(spawn, stack.worker, stack.settings.ready_timeout_s)
+    actuator.adopt(workers)
+    local = await start_planner(
+        stack.planner, stack.worker, started.kafka, started.redis, started.url, actuator
+    )
+    p = stack.planner
+    print(
+        f"planner: {p.min_workers}-{p.max_workers} workers, TTFT p90 <= {p.ttft_p90_target_s}s, ITL p90 <= "
+        f"{p.itl_p90_target_s}s; its metrics {local.metrics_url}",
+        flush=True,
+    )
+    return local
 
 
 async def run_stack(stack: Stack) -> int:
@@ -133,6 +174,7 @@ async def run_stack(stack: Stack) -> int:
     fronts: list[Child] = []
     stopping = asyncio.create_task(stop.wait())
     starting = asyncio.create_task(_start(stack, services, workers, fronts))
+    local: LocalPlanner | None = None
     code = 0
     try:
         await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
@@ -141,15 +183,22 @@ async def run_stack(stack: Stack) -> int:
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
             return 130
-        starting.result()
+        started = starting.result()
         children = [*fronts, *workers]
-        exits = [asyncio.create_task(c.proc.wait()) for c in children]
-        done, _ = await asyncio.wait([stopping, *exits], return_when=asyncio.FIRST_COMPLETED)
+        watched: list[asyncio.Future[Any]] = []
+        if stack.settings.autoscale:
+            # The planner owns the workers from here: they come and go, and a crashed one is replaced.
+            local = await _autoscale(stack, started, workers)
+            workers.clear()
+            children = [*fronts]
+            watched.append(asyncio.create_task(local.planner.run(stop), name="planner"))
+        watched += [asyncio.create_task(c.proc.wait()) for c in children]
+        done, _ = await asyncio.wait([stopping, *watched], return_when=asyncio.FIRST_COMPLETED)
         if stopping not in done:
-            crashed = [c.name for c in children if c.proc.returncode is not None]
+            crashed = [c.name for c in children if c.proc.returncode is not None] or ["the planner"]
             log.error("%s exited unexpectedly; stopping the stack", ", ".join(crashed))
             code = 1
-        for t in exits:
+        for t in watched:
             t.cancel()
     except (TimeoutError, RuntimeError) as exc:
         log.error("the stack did not come up: %s", exc)
@@ -160,6 +209,9 @@ async def run_stack(stack: Stack) -> int:
         for front in fronts:
             await front.stop()
         await asyncio.gather(*(w.stop() for w in workers))
+        if local is not None:
+            await local.actuator.stop_all()
+            await local.close()
         for child in reversed(services):
             with contextlib.suppress(Exception):
                 await child.stop()

@@ -9,7 +9,7 @@ import pytest
 
 from launch.flags import build_parser, from_namespace, load, to_argv
 from launch.stack import PER_CHILD, load_stack, stack_parser
-from schemas.settings import FrontendSettings, StackSettings, WorkerSettings
+from schemas.settings import FrontendSettings, PlannerPolicySettings, StackSettings, WorkerSettings
 
 
 def test_settings_from_flags_env_and_defaults() -> None:
@@ -30,6 +30,7 @@ def test_settings_from_flags_env_and_defaults() -> None:
 def test_ferry_up_takes_every_frontend_and_worker_flag_but_the_ids() -> None:
     own = {f.name for f in dataclasses.fields(StackSettings)}
     children = {f.name for cls in (FrontendSettings, WorkerSettings) for f in dataclasses.fields(cls)}
+    own |= {f.name for f in dataclasses.fields(PlannerPolicySettings)}  # for --autoscale
     dests = {a.dest for a in stack_parser()._actions if a.dest != "help"}
     assert dests == (own | children) - set(PER_CHILD)
 

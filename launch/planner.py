@@ -1,0 +1,89 @@
+"""`ferry planner`: the autoscaler as a process of its own, for fleets the launcher does not start."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Sequence
+
+import httpx
+import redis.asyncio as aioredis
+import uvloop
+from prometheus_client import start_http_server
+
+from kvstore.registry import Registry
+from launch.flags import load
+from planner.actuators import Actuator, GaugeOnly, KubernetesDeployment
+from planner.kafka_lag import KafkaLag
+from planner.latency import FrontendScraper, PrometheusSource
+from planner.loop import LatencySource, Planner
+from planner.metrics import PlannerMetrics
+from schemas.names import RedisKeys
+from schemas.settings import PlannerSettings
+
+log = logging.getLogger("ferry.planner")
+
+
+def _actuator(s: PlannerSettings) -> Actuator:
+    if s.actuator == "kubernetes":
+        return KubernetesDeployment.in_cluster(s.k8s_namespace, s.k8s_deployment, s.k8s_api)
+    return GaugeOnly()
+
+
+async def run(s: PlannerSettings) -> int:
+    """Run the planner until SIGINT/SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    redis = aioredis.from_url(s.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
+    http = httpx.AsyncClient()
+    latency: LatencySource
+    if s.prometheus:
+        latency = PrometheusSource(http, s.prometheus, s.served_model_name, 2 * s.planner_interval_s)
+    else:
+        latency = FrontendScraper(http, [u for u in s.frontends.split(",") if u], s.served_model_name)
+    lag = KafkaLag(s.kafka)
+    metrics = PlannerMetrics()
+    server, _thread = start_http_server(s.planner_port, addr=s.planner_host, registry=metrics.registry)
+    actuator = _actuator(s)
+    try:
+        await lag.start()
+        planner = Planner(
+            s,
+            s.served_model_name,
+            Registry(redis, RedisKeys(s.redis_prefix)),
+            latency,
+            lag,
+            actuator,
+            metrics,
+        )
+        # A line for launchers to wait on, printed whatever the log level.
+        print(f"ferry-planner-ready http://{s.planner_host}:{server.server_port}/metrics", flush=True)
+        log.info(
+            "planner for %s: %d-%d workers, actuator %s, latency from %s",
+            s.served_model_name, s.min_workers, s.max_workers, s.actuator, s.prometheus or s.frontends or "nowhere",
+        )  # fmt: skip
+        await planner.run(stop)
+    finally:
+        server.shutdown()
+        await lag.close()
+        await http.aclose()
+        await redis.aclose()
+        if isinstance(actuator, KubernetesDeployment):
+            await actuator.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`ferry planner [flags]`."""
+    s = load(PlannerSettings, argv, prog="ferry planner")
+    if not s.min_workers <= s.max_workers:
+        raise SystemExit("ferry planner: --min-workers must not exceed --max-workers")
+    if not s.prometheus and not s.frontends:
+        log.warning(
+            "neither --prometheus nor --frontends: the planner sizes on load and lag, without latency"
+        )
+    logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return uvloop.run(run(s))

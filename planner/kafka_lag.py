@@ -1,0 +1,84 @@
+"""Kafka lag: records in a topic its consumer group has not committed yet (end offset - committed offset).
+
+Two backlogs matter to the planner: each worker's `ferry.requests.<worker>` (routed, not yet read: the
+worker is behind) and the model's `ferry.pool.<model>` (batch items nobody has taken yet).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+
+from schemas.names import pool_group, pool_topic, request_topic
+
+log = logging.getLogger("ferry.planner")
+
+
+def worker_group(worker_id: str) -> str:
+    """The consumer group a worker commits its requests topic under (workers/inbox.py)."""
+    return f"ferry-worker-{worker_id}"
+
+
+class KafkaLag:
+    """Reads end offsets and committed offsets; one admin and one group-less consumer, kept open."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self._admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5_000)
+        self._offsets = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+
+    async def start(self) -> None:
+        """Connect."""
+        await self._admin.start()
+        await self._offsets.start()
+
+    async def close(self) -> None:
+        """Disconnect."""
+        await self._offsets.stop()
+        await self._admin.close()
+
+    async def _lag(self, group: str, tps: list[TopicPartition]) -> int:
+        if not tps:
+            return 0
+        ends = await self._offsets.end_offsets(tps)
+        committed = await self._admin.list_consumer_group_offsets(group, partitions=tps)
+        total = 0
+        for tp in tps:
+            meta = committed.get(tp)
+            done = meta.offset if meta is not None and meta.offset >= 0 else 0
+            total += max(0, ends.get(tp, 0) - done)
+        return total
+
+    async def pool(self, model: str) -> tuple[int, int] | None:
+        """(lag, committed total) of the model's pool topic; None if the broker did not answer."""
+        topic = pool_topic(model)
+        try:
+            parts = self._offsets.partitions_for_topic(topic)
+            if parts is None:
+                await self._offsets.topics()  # refreshes metadata: the topic may be newer than our last look
+                parts = self._offsets.partitions_for_topic(topic) or set()
+            tps = [TopicPartition(topic, p) for p in sorted(parts)]
+            if not tps:
+                return 0, 0
+            ends = await self._offsets.end_offsets(tps)
+            committed = await self._admin.list_consumer_group_offsets(pool_group(model), partitions=tps)
+        except (KafkaError, OSError) as exc:
+            log.warning("planner: cannot read the pool topic's lag (%r)", exc)
+            return None
+        done = {tp: max(m.offset, 0) for tp, m in committed.items()}
+        lag = sum(max(0, ends.get(tp, 0) - done.get(tp, 0)) for tp in tps)
+        return lag, sum(done.values())
+
+    async def workers(self, worker_ids: Sequence[str]) -> int | None:
+        """Requests routed to these workers and not yet committed by them; None if the broker did not answer."""
+        try:
+            total = 0
+            for wid in worker_ids:
+                total += await self._lag(worker_group(wid), [TopicPartition(request_topic(wid), 0)])
+        except (KafkaError, OSError) as exc:
+            log.warning("planner: cannot read the workers' topic lag (%r)", exc)
+            return None
+        return total

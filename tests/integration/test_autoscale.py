@@ -1,0 +1,127 @@
+"""`ferry up --autoscale` on simulated workers: a burst makes the planner start workers; when it ends the planner
+drains them again (SIGTERM, finish, exit 0) while streams keep running, and not one request fails."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from launch.services import Child
+from tests.harness import sse_events
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+async def stream(c: httpx.AsyncClient, max_tokens: int) -> str | None:
+    """One streamed chat completion; None if it ended as it should, else what went wrong."""
+    body = {
+        "model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story " * 8}],
+        "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return f"status {r.status_code}: {(await r.aread())[:200]!r}"
+        events = [data async for _, data in sse_events(r)]
+    if events[-1:] != ["[DONE]"]:
+        return f"no [DONE]: {events[-2:]}"
+    if any("error" in json.loads(d) for d in events[:-1]):
+        return f"error event: {events[-3:]}"
+    if json.loads(events[-2])["usage"]["completion_tokens"] != max_tokens:
+        return f"short stream: {events[-2]}"
+    return None
+
+
+async def keep_streaming(
+    c: httpx.AsyncClient, stop: asyncio.Event, max_tokens: int, out: list[str | None]
+) -> None:
+    while not stop.is_set():
+        out.append(await stream(c, max_tokens))
+
+
+class Lines:
+    """Output lines of a child that contain given texts, collected from now on, with an event per new match."""
+
+    def __init__(self, child: Child) -> None:
+        self.seen: dict[str, list[str]] = {}
+        self._changed = asyncio.Event()
+        # A watcher that never completes: it only looks at each line as the relay reads it.
+        self._watch = asyncio.ensure_future(child.wait_for_line(self._match, 3600))
+        self._watch.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def of(self, text: str) -> list[str]:
+        """The lines containing `text` (a live list)."""
+        return self.seen.setdefault(text, [])
+
+    def _match(self, line: str) -> bool:
+        for text, lines in self.seen.items():
+            if text in line:
+                lines.append(line)
+                self._changed.set()
+        return False
+
+    async def until(self, condition: Callable[[], bool], timeout_s: float) -> None:
+        """Wait until `condition` holds, re-checking at every matching line."""
+        async with asyncio.timeout(timeout_s):
+            while not condition():
+                self._changed.clear()
+                await self._changed.wait()
+
+    def close(self) -> None:
+        """Stop watching."""
+        self._watch.cancel()
+
+
+async def test_autoscale_scales_out_under_load_and_drains_back_without_a_failed_request(
+    model_path: Path,
+) -> None:
+    child = await Child.spawn(
+        "ferry-up",
+        [
+            sys.executable, "-m", "launch", "up", "--autoscale", "--workers", "1", "--min-workers", "1",
+            "--max-workers", "3", "--planner-interval-s", "1", "--scale-out-cooldown-s", "2",
+            "--scale-in-cooldown-s", "3", "--scale-in-stable", "2", "--worker-capacity", "4",
+            "--worker-start-s", "2", "--ttft-p90-target-s", "2", "--itl-p90-target-s", "0.2", "--port", "0", "--speedup", "5", "--model-path", str(model_path),
+        ],
+        echo=bool(os.environ.get("FERRY_TEST_ECHO")),
+    )  # fmt: skip
+    results: list[str | None] = []
+    loops: list[asyncio.Task[None]] = []
+    watched: Lines | None = None
+    try:
+        url = (await child.wait_for_line(lambda line: line.startswith("ferry-ready "), 120)).split()[1]
+        lines = watched = Lines(child)
+        starts, drains = lines.of("planner: started worker-"), lines.of("drained and exited")
+        crashes = lines.of("exited unexpectedly")
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            burst, calm = asyncio.Event(), asyncio.Event()
+            # A burst of short streams, and two long ones that go on while the planner drains workers.
+            loops += [asyncio.create_task(keep_streaming(c, burst, 60, results)) for _ in range(24)]
+            loops += [asyncio.create_task(keep_streaming(c, calm, 300, results)) for _ in range(2)]
+            await lines.until(lambda: len(starts) >= 1, 60)
+            await asyncio.sleep(5)  # the burst goes on a while on the larger fleet
+            burst.set()
+            # Back to the floor: every worker the planner started drained again.
+            await lines.until(lambda: len(drains) >= len(starts), 120)
+            calm.set()
+            await asyncio.gather(*loops)
+        assert all("code 0" in line for line in drains), drains
+        assert not crashes, crashes
+    finally:
+        for t in loops:
+            t.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        code = await child.stop(60)
+        if watched is not None:
+            watched.close()
+    failures = [r for r in results if r is not None]
+    assert len(results) > 50 and not failures, failures[:5]
+    assert code == 0
