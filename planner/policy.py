@@ -139,6 +139,10 @@ class Policy:
             # Met targets prove the load carried, not what latency extrapolates to (at low load latency is
             # mostly fixed cost): raise the estimate only near it, and only a little beyond what was carried.
             if per_worker < 0.8 * self.capacity:
+                # Far from the estimate and comfortably within the targets: drift back towards the configured
+                # prior, so an overload (or a noisy neighbour) does not pin the estimate low for ever.
+                if ratio >= 1.5 and self.capacity < c.worker_capacity:
+                    self.capacity = min(c.worker_capacity, self.capacity * 1.1)
                 return
             estimate = max(self.capacity, min(per_worker * ratio, per_worker * 1.25))
         else:

@@ -88,7 +88,7 @@ async def test_autoscale_scales_out_under_load_and_drains_back_without_a_failed_
         [
             sys.executable, "-m", "launch", "up", "--autoscale", "--workers", "1", "--min-workers", "1",
             "--max-workers", "3", "--planner-interval-s", "1", "--scale-out-cooldown-s", "2",
-            "--scale-in-cooldown-s", "3", "--scale-in-stable", "2", "--worker-capacity", "4",
+            "--scale-in-cooldown-s", "10", "--scale-in-stable", "2", "--worker-capacity", "4",
             "--worker-start-s", "2", "--ttft-p90-target-s", "2", "--itl-p90-target-s", "0.2", "--port", "0", "--speedup", "5", "--model-path", str(model_path),
         ],
         echo=bool(os.environ.get("FERRY_TEST_ECHO")),

@@ -63,6 +63,17 @@ def test_slo_violation_with_a_queue_adds_a_worker_even_if_the_estimate_says_enou
     assert p.capacity < CFG.worker_capacity  # and the capacity estimate learnt from it
 
 
+def test_a_capacity_learnt_in_an_overload_recovers_when_the_targets_are_met_comfortably() -> None:
+    p = Policy(CFG)
+    for i in range(6):
+        p.decide(obs(3, 30, 5.0, ttft=4.0, itl=0.2, waiting=10), now=5 * i)
+    low = p.capacity
+    assert low < CFG.worker_capacity / 2
+    for i in range(30):
+        p.decide(obs(3, 2, 0.5, ttft=0.2, itl=0.01), now=100 + 5 * i)
+    assert low < p.capacity <= CFG.worker_capacity
+
+
 def test_cooldown_and_starting_workers_hold_a_second_scale_out() -> None:
     p = Policy(CFG)
     assert p.decide(obs(2, 4, 2.0, ttft=3.0, waiting=3), now=0).action is Action.SCALE_OUT
