@@ -12,7 +12,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from launch.flags import EPILOG, add_flags, from_namespace, given, to_argv
+from launch.flags import ENGINE_EPILOG, EPILOG, add_flags, from_namespace, given, split_engine_flags, to_argv
 from launch.services import Child, free_port, start_broker, start_redis
 from schemas.settings import FrontendSettings, StackSettings, WorkerSettings
 
@@ -33,17 +33,20 @@ class Stack:
     worker: WorkerSettings
     frontend_flags: list[str]
     worker_flags: list[str]
+    # vLLM's own engine flags, passed to every worker after `--`.
+    engine_flags: list[str] = dataclasses.field(default_factory=list)
 
 
 def stack_parser() -> argparse.ArgumentParser:
     """`ferry up`'s flags: its own, then every frontend and worker flag but the per-child ids."""
     parser = argparse.ArgumentParser(
         prog="ferry up",
-        usage="%(prog)s [flags]",
+        usage="%(prog)s [flags] [vLLM engine flags] [-- vLLM engine flags]",
         description="The whole system on one machine: an embedded Kafka broker and Redis (unless --kafka / "
         "--redis name running ones), N workers and a frontend. Takes every flag of `ferry frontend` and "
         "`ferry worker` but their ids, and passes each child the ones it takes.",
-        epilog=EPILOG,
+        epilog=f"{EPILOG} {ENGINE_EPILOG}",
+        allow_abbrev=False,
     )
     taken = set(PER_CHILD)
     for cls in (StackSettings, FrontendSettings, WorkerSettings):
@@ -53,13 +56,13 @@ def stack_parser() -> argparse.ArgumentParser:
 
 def load_stack(argv: Sequence[str] | None = None) -> Stack:
     """Parse `ferry up`'s flags and FERRY_* variables."""
-    ns = stack_parser().parse_args(argv)
+    ns, engine_flags = split_engine_flags(stack_parser(), argv)
     frontend, worker = from_namespace(FrontendSettings, ns), from_namespace(WorkerSettings, ns)
     # Only what was given as a flag is passed on: a child reads the same variables and defaults itself,
     # and a key set through FERRY_API_KEYS stays out of `ps`.
     passed = given(ns) - set(_CHOSEN)
     return Stack(from_namespace(StackSettings, ns), frontend, worker, to_argv(frontend, only=passed),
-                 to_argv(worker, only=passed))  # fmt: skip
+                 to_argv(worker, only=passed), engine_flags)  # fmt: skip
 
 
 def _worker_argv(stack: Stack, kafka: str, redis: str, index: int) -> list[str]:
@@ -67,6 +70,7 @@ def _worker_argv(stack: Stack, kafka: str, redis: str, index: int) -> list[str]:
         sys.executable, "-m", "launch", "worker",
         "--worker-id", f"worker-{index}", "--kafka", kafka, "--redis", redis,
         *stack.worker_flags,
+        *(["--", *stack.engine_flags] if stack.engine_flags else []),
     ]  # fmt: skip
 
 

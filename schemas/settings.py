@@ -239,7 +239,8 @@ class EngineSettings:
     """Engine: what both engines take (workers/sim.py, workers/vllm_engine.py)."""
 
     max_model_len: int = dataclasses.field(
-        default=0, metadata=_help("context length; 0 = the model's own (sim) or 2048 (vllm)")
+        default=0,
+        metadata=_help("context length; 0 = the model's own (sim, vllm on a GPU) or 2048 (vllm on CPU)"),
     )
     block_size: int = dataclasses.field(
         default=64, metadata=_help("KV block size in tokens (vllm on CPU: a multiple of 32)")
@@ -260,7 +261,12 @@ class SimSettings(EngineSettings):
 class VLLMSettings(EngineSettings):
     """vLLM engine: its VLLMConfig (workers/vllm_config.py)."""
 
-    kv_cache_gib: float = dataclasses.field(default=1.0, metadata=_help("vllm: KV cache size in GiB"))
+    kv_cache_gib: float = dataclasses.field(
+        default=0.0,
+        metadata=_help(
+            "vllm: KV cache size in GiB; 0 = 1 GiB on CPU, vLLM's --gpu-memory-utilization on a GPU"
+        ),
+    )
     kv_events_port: int = dataclasses.field(
         default=0, metadata=_help("vllm: loopback port for vLLM's KV events; 0 = any free port")
     )

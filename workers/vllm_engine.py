@@ -56,7 +56,6 @@ from workers.vllm_params import logit_fields, refusal, structured_outputs
 logger = logging.getLogger(__name__)
 
 
-
 class _SchedulerStatsRecorder(StatLoggerBase):
     """Keeps the latest scheduler figures vLLM reports after each engine step."""
 
@@ -101,7 +100,6 @@ class _Live:
     sent_first: bool = False
 
 
-
 # How long stopping waits for each of vLLM's steps (aborting requests, shutting the engine down).
 STOP_STEP_S = 30.0
 
@@ -128,6 +126,8 @@ class VLLMEngine(EngineLifecycle):
         self.total_blocks = 0
         self.max_model_len = self.config.max_model_len
         self._vocab_size = 0
+        # Whether vLLM schedules by priority (Ferry's default) or first come, first served (--scheduling-policy).
+        self._priority = True
         self.start_seconds = 0.0
         self._adapters = Adapters(model_name, self.config.max_loras, self.config.max_lora_rank)
 
@@ -160,6 +160,7 @@ class VLLMEngine(EngineLifecycle):
         self.total_blocks = vllm_config.cache_config.num_gpu_blocks or 0
         self.max_model_len = vllm_config.model_config.max_model_len
         self._vocab_size = vllm_config.model_config.get_vocab_size()
+        self._priority = vllm_config.scheduler_config.policy == "priority"
         if self.block_size != self.config.block_size:
             await self.stop()
             raise ValueError(f"vLLM chose block size {self.block_size}, not {self.config.block_size}")
@@ -239,7 +240,7 @@ class VLLMEngine(EngineLifecycle):
         # Migration: the tokens generated elsewhere are prefilled with the prompt, and max_tokens
         # is already the remaining budget.
         prompt = tokens_input([*request.prompt_token_ids, *prior])
-        priority = request.priority if self.config.scheduling_policy == "priority" else 0
+        priority = request.priority if self._priority else 0
         live.added = asyncio.create_task(
             llm.add_request(request.request_id, prompt, params, lora_request=lora, priority=priority),
             name=f"vllm-add:{request.request_id}",
@@ -291,7 +292,9 @@ class VLLMEngine(EngineLifecycle):
             lora = self._adapters.get(adapter)
             if lora is None:
                 # The router's view of the adapters is a heartbeat old: another worker may hold it.
-                raise EngineError("lora_not_found", f"this worker holds no LoRA adapter {adapter!r}", retriable=True)
+                raise EngineError(
+                    "lora_not_found", f"this worker holds no LoRA adapter {adapter!r}", retriable=True
+                )
         ids = [*request.prompt_token_ids, *request.generated_token_ids]
         if min(ids) < 0 or max(ids) >= self._vocab_size:
             raise EngineError("invalid_request", f"token ids must lie in [0, {self._vocab_size})")
