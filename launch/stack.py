@@ -56,8 +56,15 @@ def stack_parser() -> argparse.ArgumentParser:
 
 def load_stack(argv: Sequence[str] | None = None) -> Stack:
     """Parse `ferry up`'s flags and FERRY_* variables."""
-    ns, engine_flags = split_engine_flags(stack_parser(), argv)
+    parser = stack_parser()
+    ns, engine_flags = split_engine_flags(parser, argv)
     frontend, worker = from_namespace(FrontendSettings, ns), from_namespace(WorkerSettings, ns)
+    per_child = {"--" + name.replace("_", "-") for name in PER_CHILD}
+    named = per_child.intersection(flag.split("=")[0] for flag in engine_flags)
+    if named:
+        parser.error(f"{', '.join(sorted(named))}: `ferry up` names each child itself")
+    if engine_flags and worker.engine != "vllm":
+        parser.error(f"vLLM engine flags need --engine vllm: {' '.join(engine_flags)}")
     # Only what was given as a flag is passed on: a child reads the same variables and defaults itself,
     # and a key set through FERRY_API_KEYS stays out of `ps`.
     passed = given(ns) - set(_CHOSEN)

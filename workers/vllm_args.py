@@ -1,4 +1,4 @@
-"""vLLM's own engine flags (every AsyncEngineArgs flag) as `ferry worker` passes them through.
+"""vLLM's own engine flags (every AsyncEngineArgs flag), read by vLLM's parser, minus those Ferry owns.
 
 vLLM's parser reads them, so every flag, its type and its JSON forms (`--speculative-config '{...}'`) mean
 what they mean to `vllm serve`. Only what the user wrote counts: each flag's default is suppressed, so a

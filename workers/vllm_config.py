@@ -1,5 +1,4 @@
-"""What the vLLM engine is started with: Ferry's engine knobs, the user's vLLM engine flags, and the
-AsyncEngineArgs built from both.
+"""What the vLLM engine is started with: Ferry's knobs and the user's vLLM engine flags as AsyncEngineArgs.
 
 Precedence, per field: what Ferry owns (prefix caching, KV events, block size: workers/vllm_args.py refuses
 them as engine flags), then the user's engine flags, then Ferry's defaults for the platform: on CPU fp32,
