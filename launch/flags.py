@@ -92,6 +92,10 @@ def add_flags(parser: argparse.ArgumentParser, cls: type[Any], taken: set[str]) 
                 section.add_argument(
                     *names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
                 )
+            elif "nargs" in f.metadata:  # a list of words, kept as one space-separated string
+                section.add_argument(
+                    *names, dest=f.name, nargs=f.metadata["nargs"], default=None, help=help_text
+                )
             else:
                 section.add_argument(
                     *names, dest=f.name, type=conv, choices=choices, default=None, help=help_text
@@ -116,6 +120,8 @@ def from_namespace(
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         flag_value = getattr(ns, f.name, None)
+        if isinstance(flag_value, list):
+            flag_value = " ".join(flag_value)
         if flag_value is not None:
             values[f.name] = flag_value
             continue
@@ -182,6 +188,8 @@ def to_argv(settings: Any, only: Collection[str] | None = None) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        elif "nargs" in f.metadata:
+            out += [flag, *value.split()] if value.split() else []
         else:
             out += [flag, str(value)]
     return out

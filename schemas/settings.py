@@ -276,6 +276,14 @@ class VLLMSettings(EngineSettings):
     max_lora_rank: int = dataclasses.field(
         default=16, metadata=_help("vllm: largest LoRA rank an adapter may have (8, 16, 32, 64, ...)")
     )
+    lora_modules: str = dataclasses.field(
+        default="",
+        metadata=_help(
+            "vllm: LoRA adapters loaded at start, served from the first heartbeat: name=/abs/path ... "
+            "(as vLLM's --lora-modules; --max-loras defaults to their number)"
+        )
+        | {"nargs": "+"},
+    )
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -25,6 +25,8 @@ def build_engine(settings: WorkerSettings, engine_flags: Sequence[str] = ()) -> 
         return VLLMEngine(settings.served_model_name, settings.model_path, vllm_config)
     if engine_flags:
         raise ValueError(f"vLLM engine flags need --engine vllm: {' '.join(engine_flags)}")
+    if settings.lora_modules:
+        raise ValueError("--lora-modules needs --engine vllm: the simulated engine serves no adapters")
 
     from workers.sim import SimConfig, SimEngine
 

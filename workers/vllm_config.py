@@ -47,6 +47,8 @@ class VLLMConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_loras: int = 0
     # The largest adapter rank vLLM reserves room for (one of vLLM's allowed ranks).
     max_lora_rank: int = 16
+    # LoRA adapters loaded at start, "name=/abs/path name2=/abs/path2" (vLLM's --lora-modules).
+    lora_modules: str = ""
     # vLLM's own engine flags as given on the command line (`--dtype bfloat16 --tensor-parallel-size 2`).
     engine_flags: tuple[str, ...] = ()
 
@@ -63,12 +65,31 @@ class VLLMConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("kv_events_port must be a port number or 0")
         if self.max_loras < 0:
             raise ValueError("max_loras must be 0 (LoRA off) or positive")
+        self.loras  # noqa: B018 -- refuses a malformed --lora-modules now
         if self.max_lora_rank not in get_args(MaxLoRARanks):
             raise ValueError(f"max_lora_rank must be one of {get_args(MaxLoRARanks)}")
         user = parse_engine_flags(self.engine_flags)  # refuses unknown, malformed and Ferry-owned flags now
         memory = [f"--{n.replace('_', '-')}" for n in _KV_MEMORY_FLAGS if n in user]
         if self.kv_cache_gib and memory:
             raise EngineFlagError(f"--kv-cache-gib and {memory[0]} both size the KV cache: give one")
+
+    @property
+    def loras(self) -> dict[str, str]:
+        """The adapters to load at start, by name."""
+        out: dict[str, str] = {}
+        for item in self.lora_modules.split():
+            name, sep, path = item.partition("=")
+            if not (name and sep and path):
+                raise ValueError(f"--lora-modules takes name=/abs/path items, not {item!r}")
+            if name in out:
+                raise ValueError(f"--lora-modules names adapter {name!r} twice")
+            out[name] = path
+        return out
+
+    @property
+    def lora_slots(self) -> int:
+        """LoRA adapters one engine step may mix: --max-loras, or the number loaded at start."""
+        return self.max_loras or len(self.loras)
 
     @property
     def user_args(self) -> dict[str, Any]:
@@ -126,6 +147,6 @@ def engine_args(
 
 
 def _lora_args(cfg: VLLMConfig) -> dict[str, Any]:
-    if not cfg.max_loras:
+    if not cfg.lora_slots:
         return {}
-    return {"enable_lora": True, "max_loras": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank}
+    return {"enable_lora": True, "max_loras": cfg.lora_slots, "max_lora_rank": cfg.max_lora_rank}

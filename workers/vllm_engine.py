@@ -37,7 +37,6 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.engine.output_processor import RequestOutputCollector
 from vllm.v1.metrics.loggers import StatLoggerBase
-from vllm.v1.metrics.stats import CachingMetrics, IterationStats, MultiModalCacheStats, SchedulerStats
 
 from schemas.kafka import GenerateRequest
 from schemas.kv_events import KVEventBatch
@@ -52,37 +51,9 @@ from workers.vllm_kv_reader import VLLMKVReader
 from workers.vllm_lora import Adapters
 from workers.vllm_outputs import engine_output
 from workers.vllm_params import logit_fields, refusal, structured_outputs
+from workers.vllm_stats import SchedulerStatsRecorder
 
 logger = logging.getLogger(__name__)
-
-
-class _SchedulerStatsRecorder(StatLoggerBase):
-    """Keeps the latest scheduler figures vLLM reports after each engine step."""
-
-    def __init__(self, vllm_config: VllmConfig | None = None, engine_index: int = 0) -> None:
-        self.running = 0
-        self.waiting = 0
-        self.kv_usage = 0.0
-        # vLLM's own window: the hit rate of the most recent 1000 requests.
-        self.prefix_cache = CachingMetrics()
-
-    def record(
-        self,
-        scheduler_stats: SchedulerStats | None,
-        iteration_stats: IterationStats | None,
-        mm_cache_stats: MultiModalCacheStats | None = None,
-        engine_idx: int = 0,
-    ) -> None:
-        """Take one step's scheduler stats."""
-        if scheduler_stats is None:
-            return
-        self.running = scheduler_stats.num_running_reqs
-        self.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
-        self.kv_usage = scheduler_stats.kv_cache_usage
-        self.prefix_cache.observe(scheduler_stats.prefix_cache_stats)
-
-    def log_engine_initialized(self) -> None:
-        """Nothing to log: the engine logs its own start."""
 
 
 @dataclass(eq=False)
@@ -114,7 +85,7 @@ class VLLMEngine(EngineLifecycle):
         self._llm: AsyncLLM | None = None
         self._info: ModelInfo | None = None
         # Replaced by the instance vLLM creates at start.
-        self._stats = _SchedulerStatsRecorder()
+        self._stats = SchedulerStatsRecorder()
         self._live: dict[str, _Live] = {}
         self._stopped = False
         self._dead: str | None = None
@@ -129,7 +100,7 @@ class VLLMEngine(EngineLifecycle):
         # Whether vLLM schedules by priority (Ferry's default) or first come, first served (--scheduling-policy).
         self._priority = True
         self.start_seconds = 0.0
-        self._adapters = Adapters(model_name, self.config.max_loras, self.config.max_lora_rank)
+        self._adapters = Adapters(model_name, self.config.lora_slots, self.config.max_lora_rank)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -164,6 +135,13 @@ class VLLMEngine(EngineLifecycle):
         if self.block_size != self.config.block_size:
             await self.stop()
             raise ValueError(f"vLLM chose block size {self.block_size}, not {self.config.block_size}")
+        try:
+            # Before the worker's first heartbeat, which then lists them.
+            for name, path in self.config.loras.items():
+                await self._adapters.load(llm, name, path)
+        except BaseException:
+            await self.stop()
+            raise
         self.start_seconds = time.monotonic() - t0
         logger.info(
             "vLLM engine for %s ready in %.1fs: %d blocks of %d tokens, max_model_len %d, KV events on %s",
@@ -181,7 +159,7 @@ class VLLMEngine(EngineLifecycle):
         return llm, info
 
     def _make_stats_recorder(self, vllm_config: VllmConfig, engine_index: int = 0) -> StatLoggerBase:
-        self._stats = _SchedulerStatsRecorder(vllm_config, engine_index)
+        self._stats = SchedulerStatsRecorder(vllm_config, engine_index)
         return self._stats
 
     async def stop(self) -> None:
@@ -272,6 +250,9 @@ class VLLMEngine(EngineLifecycle):
             waiting=unfinished - running,
             kv_usage=rec.kv_usage if unfinished else 0.0,
             prefix_hit_rate=rec.prefix_cache.hit_rate,
+            spec_drafts=rec.spec_drafts,
+            spec_draft_tokens=rec.spec_draft_tokens,
+            spec_accepted_tokens=rec.spec_accepted_tokens,
             total_blocks=self.total_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,

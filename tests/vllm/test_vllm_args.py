@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from vllm.engine.arg_utils import AsyncEngineArgs
 
 from launch.flags import load_with_engine_flags
 from launch.stack import _worker_argv, load_stack
@@ -17,7 +18,7 @@ from workers.vllm_engine import VLLMEngine
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
 
 
-def _args(cfg: VLLMConfig, on_cpu: bool = True) -> object:
+def _args(cfg: VLLMConfig, on_cpu: bool = True) -> AsyncEngineArgs:
     return engine_args(cfg, Path("/m"), "m", "tcp://127.0.0.1:1", on_cpu=on_cpu)
 
 
@@ -53,9 +54,7 @@ def test_defaults_by_platform() -> None:
     assert (util.gpu_memory_utilization, util.kv_cache_memory_bytes) == (0.5, None)
 
 
-def _args_default() -> object:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
+def _args_default() -> AsyncEngineArgs:
     return AsyncEngineArgs()
 
 
@@ -73,14 +72,12 @@ def _args_default() -> object:
     ],
 )
 def test_owned_unknown_and_bad_flags_are_refused(flags: list[str], message: str | None) -> None:
+    gib = 0.0
     if message is None:  # allowed alone, refused beside Ferry's own cache size
         VLLMConfig(engine_flags=tuple(flags))
-        flags_cfg = {"kv_cache_gib": 2.0}
-        message = "both size the KV cache"
-    else:
-        flags_cfg = {}
+        gib, message = 2.0, "both size the KV cache"
     with pytest.raises(EngineFlagError, match=message):
-        VLLMConfig(engine_flags=tuple(flags), **flags_cfg)
+        VLLMConfig(engine_flags=tuple(flags), kv_cache_gib=gib)
 
 
 def test_sim_refuses_engine_flags(model_path: Path) -> None:
@@ -95,3 +92,21 @@ def test_up_passes_engine_flags_to_every_worker() -> None:
     argv = _worker_argv(stack, "k:1", "redis://r", 0)
     assert argv[argv.index("--max-num-seqs") + 1] == "3"
     assert argv[argv.index("--") :] == ["--", "--enforce-eager", "--dtype", "bfloat16"]
+
+
+def test_lora_modules_at_start() -> None:
+    settings, flags = load_with_engine_flags(
+        WorkerSettings, ["--engine", "vllm", "--lora-modules", "a=/x", "b=/y", "--dtype", "float32"]
+    )
+    assert (settings.lora_modules, flags) == ("a=/x b=/y", ["--dtype", "float32"])
+    config = VLLMConfig(lora_modules=settings.lora_modules)
+    assert (
+        config.loras == {"a": "/x", "b": "/y"} and config.lora_slots == 2
+    )  # --max-loras defaults to their number
+    assert _args(config).max_loras == 2 and _args(config).enable_lora
+    stack = load_stack(["--engine", "vllm", "--lora-modules", "a=/x", "b=/y"])
+    argv = _worker_argv(stack, "k:1", "redis://r", 0)
+    assert argv[argv.index("--lora-modules") :][:3] == ["--lora-modules", "a=/x", "b=/y"]
+    for bad in ("a", "=/x", "a=/x a=/y"):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            VLLMConfig(lora_modules=bad)
