@@ -320,6 +320,16 @@ class WorkerSettings(CommonSettings, SimSettings, VLLMSettings, PoolSettings):
     drain_grace_s: float = dataclasses.field(
         default=30.0, metadata=_help("on SIGTERM, how long in-flight requests may take to finish")
     )
+    canary_wait_s: float = dataclasses.field(
+        default=10.0,
+        metadata=_help(
+            "send a one-token canary generation after this many seconds idle (or busy with no token); 0 = off"
+        ),
+    )
+    canary_timeout_s: float = dataclasses.field(
+        default=10.0,
+        metadata=_help("a canary with no token within this long means a hung engine: the worker exits with 1"),
+    )
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tests.tiny_model import make_tiny_llama
@@ -25,7 +26,8 @@ async def test_a_second_model_directory_serves(model_path: Path, tmp_path: Path)
         assert (
             engine._llm is not None and engine._llm.vllm_config.model_config.hf_config.num_hidden_layers == 2
         )
-        result = await run(engine, request([1, 520, 3151, 314], max_tokens=8, ignore_eos=False))
+        req = msgspec.structs.replace(request([1, 520, 3151, 314], max_tokens=8), model="tiny")
+        result = await run(engine, req)
         assert 1 <= len(result.token_ids) <= 8
         assert result.last.finish_reason in ("length", "stop")
     finally:
