@@ -77,7 +77,7 @@ class EngineOps:
             self.sleeping = False
             await self._heartbeat.once()
             raise EngineError(
-                "busy", f"requests still ran after {self._grace_s:.0f}s; not sleeping"
+                "busy", f"requests still ran after {self._grace_s:.0f}s; not sleeping", True
             ) from None
         await _maybe(self._engine, "sleep", level)
         await self._index.clear_worker(self._worker_id)
