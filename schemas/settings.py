@@ -328,7 +328,9 @@ class WorkerSettings(CommonSettings, SimSettings, VLLMSettings, PoolSettings):
     )
     canary_timeout_s: float = dataclasses.field(
         default=10.0,
-        metadata=_help("a canary with no token within this long means a hung engine: the worker exits with 1"),
+        metadata=_help(
+            "a canary with no token within this long means a hung engine: the worker exits with 1"
+        ),
     )
 
 
