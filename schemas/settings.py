@@ -239,7 +239,8 @@ class EngineSettings:
     """Engine: what both engines take (workers/sim.py, workers/vllm_engine.py)."""
 
     max_model_len: int = dataclasses.field(
-        default=0, metadata=_help("context length; 0 = the model's own (sim) or 2048 (vllm)")
+        default=0,
+        metadata=_help("context length; 0 = the model's own (sim, vllm on a GPU) or 2048 (vllm on CPU)"),
     )
     block_size: int = dataclasses.field(
         default=64, metadata=_help("KV block size in tokens (vllm on CPU: a multiple of 32)")
@@ -260,7 +261,12 @@ class SimSettings(EngineSettings):
 class VLLMSettings(EngineSettings):
     """vLLM engine: its VLLMConfig (workers/vllm_config.py)."""
 
-    kv_cache_gib: float = dataclasses.field(default=1.0, metadata=_help("vllm: KV cache size in GiB"))
+    kv_cache_gib: float = dataclasses.field(
+        default=0.0,
+        metadata=_help(
+            "vllm: KV cache size in GiB; 0 = 1 GiB on CPU, vLLM's --gpu-memory-utilization on a GPU"
+        ),
+    )
     kv_events_port: int = dataclasses.field(
         default=0, metadata=_help("vllm: loopback port for vLLM's KV events; 0 = any free port")
     )
@@ -269,6 +275,14 @@ class VLLMSettings(EngineSettings):
     )
     max_lora_rank: int = dataclasses.field(
         default=16, metadata=_help("vllm: largest LoRA rank an adapter may have (8, 16, 32, 64, ...)")
+    )
+    lora_modules: str = dataclasses.field(
+        default="",
+        metadata=_help(
+            "vllm: LoRA adapters loaded at start, served from the first heartbeat: name=/abs/path ... "
+            "(as vLLM's --lora-modules; --max-loras defaults to their number)"
+        )
+        | {"nargs": "+"},
     )
 
 
@@ -305,6 +319,18 @@ class WorkerSettings(CommonSettings, SimSettings, VLLMSettings, PoolSettings):
     metrics_port: int = dataclasses.field(default=0, metadata=_help("port of /metrics; 0 = any free port"))
     drain_grace_s: float = dataclasses.field(
         default=30.0, metadata=_help("on SIGTERM, how long in-flight requests may take to finish")
+    )
+    canary_wait_s: float = dataclasses.field(
+        default=10.0,
+        metadata=_help(
+            "send a one-token canary generation after this many seconds idle (or busy with no token); 0 = off"
+        ),
+    )
+    canary_timeout_s: float = dataclasses.field(
+        default=10.0,
+        metadata=_help(
+            "a canary with no token within this long means a hung engine: the worker exits with 1"
+        ),
     )
 
 

@@ -19,8 +19,12 @@ import jinja2.nodes
 import jinja2.parser
 import jinja2.runtime
 import jinja2.utils
+import msgspec
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+from schemas.kafka import SamplingParams
+from schemas.openai import SamplingFields
 
 # The named special tokens transformers passes into every chat template (its SPECIAL_TOKENS_ATTRIBUTES).
 _TEMPLATE_TOKEN_NAMES = (
@@ -40,6 +44,41 @@ class ModelFilesError(ValueError):
     """The model directory lacks something the frontend needs."""
 
 
+# The sampling fields vLLM takes from generation_config.json (ModelConfig.get_diff_sampling_param), each with
+# the value a request that omits it carries here: top_k and repetition_penalty have no "omitted" of their own.
+_OMITTED: dict[str, Any] = {"temperature": None, "top_p": None, "top_k": -1, "repetition_penalty": 1.0}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """generation_config.json's sampling defaults, applied as vLLM applies them: only to what a request omits."""
+
+    sampling: dict[str, Any] = field(default_factory=dict)
+    # End-of-sequence ids beyond the tokenizer's own, which end a sequence too (unless ignore_eos).
+    stop_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def read(cls, path: Path, eos_token_id: int) -> "GenerationDefaults":
+        """The defaults in `path`/generation_config.json (none if the file is absent)."""
+        gen = (
+            _read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
+        )
+        sampling = {k: gen[k] for k in _OMITTED if isinstance(gen.get(k), (int, float))}
+        if "top_k" in sampling:
+            sampling["top_k"] = int(sampling["top_k"]) or -1  # transformers' 0 is "no top-k"
+        eos = gen.get("eos_token_id")
+        ids = [eos] if isinstance(eos, int) else [i for i in eos or [] if isinstance(i, int)]
+        return cls(sampling, tuple(i for i in dict.fromkeys(ids) if i != eos_token_id))
+
+    def fill(self, params: SamplingParams, req: SamplingFields) -> SamplingParams:
+        """`params` with the model's defaults where `req` left a field unset."""
+        changes = {k: v for k, v in self.sampling.items() if getattr(req, k) == _OMITTED[k]}
+        extra = [t for t in self.stop_token_ids if t not in params.stop_token_ids]
+        if extra and not params.ignore_eos:
+            changes["stop_token_ids"] = [*params.stop_token_ids, *extra]
+        return msgspec.structs.replace(params, **changes) if changes else params
+
+
 @dataclass(frozen=True, eq=False)
 class ModelFiles:
     """Tokenizer, special tokens, limits and compiled chat template of one model directory."""
@@ -56,6 +95,7 @@ class ModelFiles:
     chat_template: str = field(repr=False)
     _template: jinja2.Template = field(repr=False)
     _template_tokens: dict[str, str] = field(repr=False)
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     @classmethod
     def load(cls, path: Path, name: str) -> "ModelFiles":
@@ -93,6 +133,7 @@ class ModelFiles:
             chat_template=chat_template,
             _template=_compile_template(chat_template),
             _template_tokens=tokens,
+            generation_defaults=GenerationDefaults.read(path, eos_token_id),
         )
 
     def render_chat(

@@ -9,7 +9,7 @@ from starlette.routing import Route
 
 from schemas.admin import LoraAdapterList, load_lora_decoder, unload_lora_decoder
 from schemas.openai import ModelCard, ModelList
-from server import vllm_routes
+from server import engine_admin, vllm_routes
 from server.errors import APIError
 from server.frontend import Frontend
 from server.http import decode, json_response, read_body, route
@@ -92,6 +92,7 @@ def routes() -> list[Route]:
         Route("/v1/admin/unload_lora_adapter", route("admin")(unload_lora_adapter), methods=["POST"]),
         Route("/v1/admin/lora_adapters", route("admin")(list_lora_adapters), methods=["GET"]),
         *vllm_routes.routes(),
+        *engine_admin.routes(),
     ]
 
 

@@ -35,6 +35,10 @@ class EngineStats(msgspec.Struct):
     total_blocks: int
     block_size: int
     max_model_len: int
+    # Speculative decoding since the engine started (0 without it): proposals, draft tokens, accepted ones.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class EngineError(Exception):

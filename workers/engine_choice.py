@@ -6,21 +6,27 @@ added to a group reaches its engine without a copy here (and fails at start-up i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from schemas.settings import SimSettings, VLLMSettings, WorkerSettings, values_of
 from workers.engine import Engine
 from workers.model_dir import load_model_info
 
 
-def build_engine(settings: WorkerSettings) -> Engine:
-    """The engine `settings.engine` names; a max_model_len of 0 becomes the engine's own."""
+def build_engine(settings: WorkerSettings, engine_flags: Sequence[str] = ()) -> Engine:
+    """The engine `settings.engine` names; a max_model_len of 0 becomes the engine's own. `engine_flags` are
+    vLLM's own engine flags (`--dtype bfloat16`), which only the vLLM engine takes."""
     if settings.engine == "vllm":
         # Imported only here: vLLM is an optional install and takes seconds to import.
         from workers.vllm_config import VLLMConfig
         from workers.vllm_engine import VLLMEngine
 
-        max_len = settings.max_model_len or VLLMConfig().max_model_len
-        vllm_config = VLLMConfig(**values_of(settings, VLLMSettings) | {"max_model_len": max_len})
+        vllm_config = VLLMConfig(**values_of(settings, VLLMSettings), engine_flags=tuple(engine_flags))
         return VLLMEngine(settings.served_model_name, settings.model_path, vllm_config)
+    if engine_flags:
+        raise ValueError(f"vLLM engine flags need --engine vllm: {' '.join(engine_flags)}")
+    if settings.lora_modules:
+        raise ValueError("--lora-modules needs --engine vllm: the simulated engine serves no adapters")
 
     from workers.sim import SimConfig, SimEngine
 

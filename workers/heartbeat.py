@@ -12,6 +12,7 @@ from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
 from schemas.settings import WorkerSettings
 from schemas.status import HEARTBEAT_MISSES, WorkerStatus
+from workers.draft_metrics import DraftMetrics
 from workers.engine import Engine
 from workers.lora import adapters_of
 from workers.metrics import WorkerMetrics
@@ -38,6 +39,7 @@ class Heartbeat:
         self._registry = registry
         self._index = index
         self._metrics = metrics
+        self._drafts = DraftMetrics(metrics.registry)
         self._inflight = inflight
         self._started_at = time.time()
         self.metrics_url = ""
@@ -79,7 +81,9 @@ class Heartbeat:
         if self.stopped:
             return  # a heartbeat now would register a worker that can no longer serve
         status = self.status()
-        self._metrics.observe(self._engine.stats(), self._inflight())
+        stats = self._engine.stats()
+        self._metrics.observe(stats, self._inflight())
+        self._drafts.observe(stats)
         # Kept so leave() can wait for it: a publish still in flight would re-register us after we left.
         self._publishing = asyncio.ensure_future(self._registry.publish(status, self.ttl_s))
         await asyncio.shield(self._publishing)

@@ -10,7 +10,15 @@ from collections.abc import Awaitable, Callable
 from aiokafka import TopicPartition
 
 from bus.reader import Batch, Hooks, Options, Own, Poll, Reader
-from schemas.kafka import Cancel, GenerateRequest, LoadLora, RequestMessage, UnloadLora, request_decoder
+from schemas.kafka import (
+    Cancel,
+    EngineControl,
+    GenerateRequest,
+    LoadLora,
+    RequestMessage,
+    UnloadLora,
+    request_decoder,
+)
 from schemas.settings import WorkerSettings
 from workers.lora import LoraControl
 from workers.metrics import WorkerMetrics
@@ -93,5 +101,5 @@ class Inbox:
                 self._serving.start(msg)
             case Cancel():
                 await self._serving.cancel(msg.request_id)
-            case LoadLora() | UnloadLora():
+            case LoadLora() | UnloadLora() | EngineControl():
                 self._lora.submit(msg)

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from schemas.kafka import ErrorInfo, GenerateRequest, LoadLora, LoraAck, UnloadLora
+from schemas.kafka import EngineControl, ErrorInfo, GenerateRequest, LoadLora, LoraAck, UnloadLora
 from workers.engine import EngineError
 
 log = logging.getLogger("ferry.worker")
@@ -110,17 +110,24 @@ class LoraControl:
         self._reply = reply
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
+        # Sleep, wake-up and cache reset (workers/engine_control.py), run in turn with adapter changes.
+        self.engine_ops: Callable[[EngineControl], Awaitable[LoraAck]] | None = None
 
-    def submit(self, msg: LoadLora | UnloadLora) -> None:
+    def submit(self, msg: LoadLora | UnloadLora | EngineControl) -> None:
         """Handle `msg` in the background: loading takes a while and must not stall the inbox."""
         task = asyncio.create_task(self._run(msg), name=f"lora-{msg.op_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, msg: LoadLora | UnloadLora) -> None:
+    async def _run(self, msg: LoadLora | UnloadLora | EngineControl) -> None:
         try:
             async with self._lock:
-                ack = await apply(self._engine, msg, self._worker_id)
+                if isinstance(msg, EngineControl):
+                    if self.engine_ops is None:
+                        return
+                    ack = await self.engine_ops(msg)
+                else:
+                    ack = await apply(self._engine, msg, self._worker_id)
                 try:
                     await self._published()
                 except Exception as e:  # the next heartbeat carries it anyway

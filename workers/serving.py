@@ -67,6 +67,7 @@ class Serving:
         self.idle.set()
         # What requests cut short by fail_all tell their clients.
         self._stop_error = ErrorInfo("worker_stopped", "worker stopped before finishing", retriable=True)
+        self._silent = False  # set by abandon()
 
     def __len__(self) -> int:
         return len(self._inflight)
@@ -114,6 +115,11 @@ class Serving:
         for rid, task in list(self._inflight.items()):
             task.cancel()
             await self._engine.abort(rid)
+        await self.stop()
+
+    async def abandon(self) -> None:
+        """End every request in flight without a last chunk: frontends count them lost and move them."""
+        self._silent = True
         await self.stop()
 
     async def stop(self) -> None:
@@ -165,7 +171,8 @@ class Serving:
                 # An engine that reports the abort itself (the sim engine does) ended it on a Cancel too.
                 metrics.requests.labels("aborted" if aborted else "finished").inc()
         except asyncio.CancelledError:
-            self._outbox.send_final_nowait(req, ending(req, seq, wid, self._stop_error))
+            if not self._silent:
+                self._outbox.send_final_nowait(req, ending(req, seq, wid, self._stop_error))
             metrics.requests.labels("cancelled").inc()
             raise
         except EngineError as exc:

@@ -135,6 +135,8 @@ class SimEngine(EngineLifecycle):
         self._prompt_tokens_seen = 0
         self._cached_tokens_seen = 0
         self._kv_events = KVEventQueue(self.config.max_pending_kv_batches, self._snapshot)
+        # Tests: an engine that stops stepping but still passes check_health (what the canary catches).
+        self.hung = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -316,7 +318,7 @@ class SimEngine(EngineLifecycle):
     async def _run(self) -> None:
         try:
             while True:
-                step = self._schedule()
+                step = None if self.hung else self._schedule()
                 if step is None:
                     self._wake.clear()
                     await self._wake.wait()

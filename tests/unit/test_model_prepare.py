@@ -161,3 +161,19 @@ def test_main_honours_ferry_model_dir(
     assert capsys.readouterr().out.strip() == str(tmp_path / "from-env")
     assert model_prepare.main(["--out", str(tmp_path / "from-flag")]) == 0
     assert is_complete(tmp_path / "from-flag")
+
+
+def test_prepare_converts_any_gguf_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    calls: list[Path] = []
+    monkeypatch.setattr(model_prepare, "_convert", _fake_convert(calls))
+    monkeypatch.setenv("FERRY_HOME", str(tmp_path / "home"))
+    gguf = tmp_path / "Other-1B.Q8_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert model_prepare.main(["--gguf", str(gguf), "--quiet"]) == 0
+    out = tmp_path / "home" / "models" / "Other-1B.Q8_0"
+    source = f"file:{gguf}"
+    assert is_complete(out, source) and not is_complete(out)  # not mistaken for the default model
+    marker = json.loads((out / model_prepare.MARKER_FILE).read_text())
+    assert (marker["source"], marker["gguf_file"]) == (source, gguf.name)
+    assert model_prepare.main(["--gguf", str(gguf), "--quiet"]) == 0 and len(calls) == 1  # built once
+    assert model_prepare.main(["--gguf", str(tmp_path / "missing.gguf"), "--quiet"]) == 1
