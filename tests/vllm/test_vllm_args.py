@@ -89,7 +89,7 @@ def test_up_passes_engine_flags_to_every_worker() -> None:
     stack = load_stack(
         ["--engine", "vllm", "--max-num-seqs", "3", "--enforce-eager", "--", "--dtype", "bfloat16"]
     )
-    argv = _worker_argv(stack, "k:1", "redis://r", 0)
+    argv = _worker_argv(stack, "k:1", "redis://r", "worker-0")
     assert argv[argv.index("--max-num-seqs") + 1] == "3"
     assert argv[argv.index("--") :] == ["--", "--enforce-eager", "--dtype", "bfloat16"]
 
@@ -105,7 +105,7 @@ def test_lora_modules_at_start() -> None:
     )  # --max-loras defaults to their number
     assert _args(config).max_loras == 2 and _args(config).enable_lora
     stack = load_stack(["--engine", "vllm", "--lora-modules", "a=/x", "b=/y"])
-    argv = _worker_argv(stack, "k:1", "redis://r", 0)
+    argv = _worker_argv(stack, "k:1", "redis://r", "worker-0")
     assert argv[argv.index("--lora-modules") :][:3] == ["--lora-modules", "a=/x", "b=/y"]
     for bad in ("a", "=/x", "a=/x a=/y"):
         with pytest.raises(ValueError, match="--lora-modules"):
