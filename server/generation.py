@@ -101,6 +101,7 @@ class Generation:
             include_usage=p.include_usage,
             logprobs=p.sampling.logprobs is not None,
             prompt_texts=p.prompt_texts,
+            tools=p.tools,
         )
 
     @property

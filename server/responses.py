@@ -91,7 +91,9 @@ async def stream(
                 yield DONE
                 return
             body = events.delta(d)
-            if eid > after:
+            # A delta with nothing to send yet still counts: event ids follow the chunks, so a resumed
+            # stream numbers its events as the original did.
+            if body is not None and eid > after:
                 yield framed(body, eid)
             eid += 1
         spec = src.spec

@@ -60,6 +60,7 @@ class Replay:
             include_usage=record.include_usage,
             logprobs=record.logprobs,
             prompt_texts=record.echo_texts,
+            tools=record.tools,
         )
         self.metrics: FrontendMetrics | None = None
         self.stream = ClientStream(request_id)
