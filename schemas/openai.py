@@ -140,7 +140,9 @@ class NamedToolChoice(msgspec.Struct):
 
     def __post_init__(self) -> None:
         if self.type != "function":
-            raise FieldError("type", f"Only a tool_choice of type 'function' is supported, not '{self.type}'.")
+            raise FieldError(
+                "type", f"Only a tool_choice of type 'function' is supported, not '{self.type}'."
+            )
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice

@@ -90,11 +90,11 @@ async def stream(
                 yield _error_event(d)
                 yield DONE
                 return
-            body = events.delta(d)
+            delta = events.delta(d)
             # A delta with nothing to send yet still counts: event ids follow the chunks, so a resumed
             # stream numbers its events as the original did.
-            if body is not None and eid > after:
-                yield framed(body, eid)
+            if delta is not None and eid > after:
+                yield framed(delta, eid)
             eid += 1
         spec = src.spec
         if spec.include_usage and eid > after:

@@ -52,7 +52,7 @@ class RequiredParser(ToolParser):
             return None, []
         if not isinstance(items, list):
             return None, []
-        calls = []
+        calls: list[ToolCall] = []
         for item in items:
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
                 return None, []

@@ -1,5 +1,5 @@
 """Llama 3.x JSON tool calls: the output is `{"name": ..., "parameters": {...}}` (or "arguments"),
-calls separated by `;`, optionally after `<|python_tag|>` (vLLM's `llama3_json` parser)."""
+calls separated by `;`, optionally after the python tag token (vLLM's `llama3_json` parser)."""
 
 from __future__ import annotations
 

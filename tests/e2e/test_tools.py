@@ -13,7 +13,12 @@ import jsonschema
 import openai
 import pytest
 import pytest_asyncio
-from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+from openai.types.chat import (
+    ChatCompletionMessage,
+    ChatCompletionMessageFunctionToolCall,
+    ChatCompletionMessageParam,
+    ChatCompletionToolParam,
+)
 
 from launch.services import Child
 
@@ -60,6 +65,12 @@ async def client(stack: str) -> AsyncIterator[openai.AsyncOpenAI]:
         yield c
 
 
+def function_calls(message: ChatCompletionMessage) -> list[ChatCompletionMessageFunctionToolCall]:
+    calls = message.tool_calls or []
+    assert all(isinstance(c, ChatCompletionMessageFunctionToolCall) for c in calls)
+    return calls  # type: ignore[return-value]
+
+
 def schema_of(name: str) -> dict[str, Any]:
     return next(t["function"].get("parameters", {}) for t in TOOLS if t["function"]["name"] == name)
 
@@ -71,14 +82,15 @@ async def test_forced_call_whole_and_streamed_agree(client: openai.AsyncOpenAI, 
         model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, seed=7, max_tokens=200
     )
     message = whole.choices[0].message
-    assert message.content is None and message.tool_calls
+    calls = function_calls(message)
+    assert message.content is None and calls
     # OpenAI's and vLLM's rule: a named tool_choice finishes with "stop", the others with "tool_calls".
     assert whole.choices[0].finish_reason == ("stop" if tool_choice == "named" else "tool_calls")
-    for call in message.tool_calls:
+    for call in calls:
         assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
         jsonschema.validate(json.loads(call.function.arguments), schema_of(call.function.name))
     if tool_choice == "named":
-        assert [c.function.name for c in message.tool_calls] == ["get_weather"]
+        assert [c.function.name for c in calls] == ["get_weather"]
 
     stream = await client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, seed=7, max_tokens=200, stream=True
@@ -97,9 +109,9 @@ async def test_forced_call_whole_and_streamed_agree(client: openai.AsyncOpenAI, 
     # Arguments arrive in pieces, not in one.
     assert len(deltas) > len(firsts)
     # Same seed, same calls (ids differ: they are the request's).
-    assert [firsts[i][1] for i in sorted(firsts)] == [c.function.name for c in message.tool_calls]
+    assert [firsts[i][1] for i in sorted(firsts)] == [c.function.name for c in calls]
     assert len({firsts[i][0] for i in firsts}) == len(firsts)
-    assert [json.loads(args[i]) for i in sorted(args)] == [json.loads(c.function.arguments) for c in message.tool_calls]
+    assert [json.loads(args[i]) for i in sorted(args)] == [json.loads(c.function.arguments) for c in calls]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert not any(c.choices[0].delta.content for c in chunks if c.choices)
 
@@ -134,7 +146,9 @@ async def test_a_whole_tool_loop(client: openai.AsyncOpenAI, stream: bool) -> No
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
     else:
-        final = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=12)
+        final = await client.chat.completions.create(
+            model=MODEL, messages=messages, tools=TOOLS, max_tokens=12
+        )
         text, reason = final.choices[0].message.content or "", final.choices[0].finish_reason
         assert final.choices[0].message.tool_calls is None
     assert text and reason == "length"

@@ -69,7 +69,10 @@ CASES = [
         "hermes",
         HERMES,
         "Let me check both. ",
-        [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"tz": "Europe/Paris", "n": [1, 2500.0]})],
+        [
+            ("get_weather", {"city": "Paris", "unit": "c"}),
+            ("get_time", {"tz": "Europe/Paris", "n": [1, 2500.0]}),
+        ],
     ),
     ("llama3_json", LLAMA, None, TWO_CALLS),
     ("llama3_json", "<|python_tag|>" + LLAMA, None, TWO_CALLS),
@@ -93,7 +96,9 @@ def test_whole_output(name: str, text: str, content: str | None, calls: list[tup
 
 
 @pytest.mark.parametrize(("name", "text", "content", "calls"), CASES)
-def test_streamed_output_cut_anywhere(name: str, text: str, content: str | None, calls: list[tuple[str, object]]) -> None:
+def test_streamed_output_cut_anywhere(
+    name: str, text: str, content: str | None, calls: list[tuple[str, object]]
+) -> None:
     for cuts in cuttings(text):
         step = streamed(auto(name), text, cuts)
         check_pieces(step.calls)
@@ -152,7 +157,9 @@ def required(parallel: bool = True) -> ToolParser:
 
 
 def test_required_output_is_an_array_of_calls() -> None:
-    text = '[{"name":"get_weather","parameters":{"city":"Paris"}},{"parameters":{"tz":"UTC"},"name":"get_time"}]'
+    text = (
+        '[{"name":"get_weather","parameters":{"city":"Paris"}},{"parameters":{"tz":"UTC"},"name":"get_time"}]'
+    )
     content, calls = required().whole(text)
     assert content is None
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == TWO_CALLS
@@ -173,12 +180,17 @@ def test_named_output_is_the_arguments() -> None:
     assert parser.feed("") == Step()
     [first] = parser.feed('{"ci').calls
     assert (first.id, first.type, first.function.name, first.function.arguments) == (  # type: ignore[union-attr]
-        call_id("chatcmpl-n/0/0"), "function", "get_weather", '{"ci'
+        call_id("chatcmpl-n/0/0"),
+        "function",
+        "get_weather",
+        '{"ci',
     )
     [more] = parser.feed('ty": "Paris"}').calls
     assert more.function.arguments == 'ty": "Paris"}' and more.id is None  # type: ignore[union-attr]
     assert parser.end() == Step()
-    whole = parser_for(ToolCallMode("named", function="get_weather"), "chatcmpl-n", 0).whole('{"city": "Paris"}\n')
+    whole = parser_for(ToolCallMode("named", function="get_weather"), "chatcmpl-n", 0).whole(
+        '{"city": "Paris"}\n'
+    )
     assert whole[0] is None and [(c.function.name, c.function.arguments) for c in whole[1]] == [
         ("get_weather", '{"city": "Paris"}')
     ]

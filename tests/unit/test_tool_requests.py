@@ -117,7 +117,9 @@ def test_auto_needs_a_parser_as_vllm_does() -> None:
     for fields in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "auto"}):
         err = refused("", **fields)
         assert err.param == "tool_choice"
-        assert err.message.startswith('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser')
+        assert err.message.startswith(
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'
+        )
     p = planned("mistral", tools=[WEATHER])
     assert p.mode.choice == "auto" and p.mode.parser == "mistral" and p.keep_special_tokens
     assert p.structured is None
@@ -145,6 +147,8 @@ def test_required_is_an_array_of_calls_to_the_tools() -> None:
 
 
 def test_named_is_the_functions_parameters() -> None:
-    p = planned("", tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    p = planned(
+        "", tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    )
     assert p.mode.choice == "named" and p.mode.function == "get_weather"
     assert json.loads(p.structured.json_schema) == WEATHER["function"]["parameters"]  # type: ignore[index]

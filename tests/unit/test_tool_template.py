@@ -19,18 +19,16 @@ from server.templates import chat_template_text, shipped_path
 from server.tools import plan
 from tests.unit.test_model_files import CONVERSATIONS
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city — °C, «quoted» & <b>",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
-            "required": ["city"],
-        },
+WEATHER_FN: dict[str, Any] = {
+    "name": "get_weather",
+    "description": "Current weather in a city — °C, «quoted» & <b>",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city"],
     },
 }
+WEATHER = {"type": "function", "function": WEATHER_FN}
 TIME = {"type": "function", "function": {"name": "get_time", "strict": True}}
 
 # OpenAI-shaped requests (what clients send): arguments are JSON text.
@@ -100,20 +98,27 @@ def test_tool_conversations_match_transformers(
     expected_tools = None
     if tools:
         expected_tools = [
-            {"type": "function", "function": {"name": "get_weather", "description": WEATHER["function"]["description"],
-             "parameters": WEATHER["function"]["parameters"]}},  # type: ignore[index]
+            {"type": "function", "function": {"name": "get_weather", "description": WEATHER_FN["description"],
+             "parameters": WEATHER_FN["parameters"]}},
             {"type": "function", "function": {"name": "get_time", "description": None, "parameters": None,
              "strict": True}},
         ]  # fmt: skip
     assert tool_dicts == expected_tools
-    kwargs = dict(tools=expected_tools, chat_template=hermes.chat_template, add_generation_prompt=add_generation_prompt)
+    kwargs = dict(
+        tools=expected_tools, chat_template=hermes.chat_template, add_generation_prompt=add_generation_prompt
+    )
     expected_text = hf_tokenizer.apply_chat_template(vllm_messages(messages), tokenize=False, **kwargs)
-    expected_ids = hf_tokenizer.apply_chat_template(vllm_messages(messages), tokenize=True, return_dict=False, **kwargs)
+    expected_ids = hf_tokenizer.apply_chat_template(
+        vllm_messages(messages), tokenize=True, return_dict=False, **kwargs
+    )
 
     assert text == expected_text
     assert hermes.encode(text, add_special_tokens=False) == list(expected_ids)
-    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>' in text
-    assert "<|im_start|>user\n<tool_response>\n{\"temp\": 18}\n</tool_response>\n<tool_response>\n12:00" in text
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+        in text
+    )
+    assert '<|im_start|>user\n<tool_response>\n{"temp": 18}\n</tool_response>\n<tool_response>\n12:00' in text
     if tools:
         assert '"description": "Current weather in a city — °C, «quoted» & <b>"' in text
 
@@ -133,7 +138,7 @@ def test_plain_chats_render_as_the_models_own_template(
 
 def test_malformed_arguments_in_history_render_as_an_empty_object(hermes: ModelFiles) -> None:
     # As vLLM does: a broken call in the history must not make every later turn fail.
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "tool_calls": [{"id": "a", "type": "function",
                                                "function": {"name": "f", "arguments": "{oops"}}]},

@@ -105,4 +105,6 @@ async def test_named_call_validates(vllm_engine: VLLMEngine, pre: Preprocessor) 
     content, calls = parser_for(mode, "n", 0).whole(text)
     assert content is None and [c.function.name for c in calls] == ["get_time"], text
     jsonschema.validate(json.loads(calls[0].function.arguments), TIME)
-    assert [json.loads(c.function.arguments) for c in assemble(step.calls)] == [json.loads(calls[0].function.arguments)]
+    assert [json.loads(c.function.arguments) for c in assemble(step.calls)] == [
+        json.loads(calls[0].function.arguments)
+    ]
