@@ -7,7 +7,11 @@ from typing import Any
 
 import pytest
 
+from schemas.batch import ItemMeta
+from schemas.kafka import Chunk, ChunkUsage
 from schemas.openai import chat_request_decoder
+from schemas.streams import ToolCallMode
+from server.batch.lines import ItemChunks, build
 from server.errors import APIError
 from server.http import decode
 from server.tools import plan, schema_problem
@@ -152,3 +156,21 @@ def test_named_is_the_functions_parameters() -> None:
     )
     assert p.mode.choice == "named" and p.mode.function == "get_weather"
     assert json.loads(p.structured.json_schema) == WEATHER["function"]["parameters"]  # type: ignore[index]
+
+
+def test_a_batch_line_carries_the_tool_calls() -> None:
+    # A batch item's output line is the same body the route answers: tool calls and their finish reason.
+    meta = ItemMeta(
+        custom_id="c", endpoint="/v1/chat/completions", model="m", prompt_lens=[5],
+        tools=ToolCallMode("required"),
+    )  # fmt: skip
+    item = ItemChunks(first_offset=0)
+    item.add(0, Chunk("i/0", 0, [1], '[{"name": "get_weather", ', worker_id="w"))
+    item.add(0, Chunk("i/0", 1, [2], '"parameters": {"city": "Paris"}}]', finish_reason="stop",
+                      usage=ChunkUsage(5, 2), worker_id="w"))  # fmt: skip
+    body = json.loads(build(meta, item, None).body)  # type: ignore[arg-type]
+    [choice] = body["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
