@@ -168,7 +168,11 @@ def _check_tools(tools: list[ChatTool]) -> None:
     for i, tool in enumerate(tools):
         fn = tool.function
         assert fn is not None
-        if fn.parameters is not None and (problem := schema_problem(fn.parameters)):
+        try:
+            problem = schema_problem(fn.parameters) if fn.parameters is not None else None
+        except RecursionError:
+            problem = "it is nested too deeply"
+        if problem:
             raise _bad(f"Invalid JSON schema in the parameters of tool '{fn.name}': {problem}.",
                        f"tools[{i}].function.parameters")  # fmt: skip
 

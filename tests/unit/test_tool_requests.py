@@ -174,3 +174,14 @@ def test_a_batch_line_carries_the_tool_calls() -> None:
     [call] = choice["message"]["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_a_schema_nested_too_deeply_is_a_400_not_a_crash() -> None:
+    deep = '{"not":' * 5000 + "{}" + "}" * 5000
+    body = (
+        '{"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required", '
+        '"tools": [{"type": "function", "function": {"name": "f", "parameters": ' + deep + "}}]}"
+    )
+    with pytest.raises(APIError) as err:
+        plan(decode(chat_request_decoder, body.encode()), "")
+    assert err.value.status == 400
