@@ -11,10 +11,11 @@ MODEL_STAMP := $(VENV)/.ferry-model
 
 .PHONY: run test lint setup model clean bench-setup bench-overhead
 
-# The real model through the whole system: one vLLM worker on the CPU (block size: a multiple of 32).
+# The real model through the whole system: one vLLM worker on the CPU (block size: a multiple of 32). Its own
+# chat template cannot show tools, so it gets the hermes one Ferry ships (and the parser of that format).
 run: setup
 	$(FERRY) model prepare
-	$(FERRY) up --engine vllm --block-size 32 --workers 1 $(ARGS)
+	$(FERRY) up --engine vllm --block-size 32 --workers 1 --chat-template hermes --tool-call-parser hermes $(ARGS)
 
 test: model
 	@$(VENV)/bin/ruff check --quiet .

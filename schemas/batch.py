@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from schemas.streams import ToolCallMode
+
 BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions"]
 BATCH_ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions")
 
@@ -216,6 +218,8 @@ class ItemMeta(msgspec.Struct, kw_only=True, omit_defaults=True):
     echo_texts: list[str] = []
     # Kafka-native items: where the result goes.
     reply_topic: str = ""
+    # Chat requests with tools: how the output becomes tool calls.
+    tools: ToolCallMode | None = None
 
 
 file_object_decoder: msgspec.msgpack.Decoder[FileObject] = msgspec.msgpack.Decoder(FileObject)

@@ -71,6 +71,25 @@ ContentPart = TextPart | ImageURLPart | InputAudioPart
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+class MessageFunctionCall(msgspec.Struct):
+    """The function an earlier assistant turn called: `arguments` is JSON text (an object is taken too)."""
+
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class MessageToolCall(msgspec.Struct):
+    """A tool call of an earlier assistant turn, as a client sends it back."""
+
+    id: str
+    function: MessageFunctionCall
+    type: str = "function"
+
+    def __post_init__(self) -> None:
+        if self.type != "function":
+            raise FieldError("type", f"Only tool calls of type 'function' are supported, not '{self.type}'.")
+
+
 class ChatMessage(msgspec.Struct, omit_defaults=True):
     """One message of a conversation."""
 
@@ -78,6 +97,7 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
 
     def __post_init__(self) -> None:
         # OpenAI lets only an assistant message (one that made tool calls) go without content.
@@ -85,6 +105,54 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
             raise FieldError("content", f"A message with role '{self.role}' needs `content`.")
         if isinstance(self.content, list) and not self.content:
             raise FieldError("content", "`content` must not be an empty array.")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise FieldError("tool_calls", "Only an assistant message can carry `tool_calls`.")
+        if self.role == "tool" and not self.tool_call_id:
+            raise FieldError("tool_call_id", "A message with role 'tool' needs `tool_call_id`.")
+
+
+class FunctionDefinition(msgspec.Struct):
+    """The function a tool offers: its name, what it does, and a JSON Schema of its arguments."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(msgspec.Struct):
+    """One entry of `tools`; only functions are supported."""
+
+    type: str
+    function: FunctionDefinition | None = None
+
+    def __post_init__(self) -> None:
+        if self.type != "function":
+            raise FieldError("type", f"Only tools of type 'function' are supported, not '{self.type}'.")
+        if self.function is None:
+            raise FieldError("function", "A tool of type 'function' needs `function`.")
+
+
+class NamedFunction(msgspec.Struct):
+    """The function a named `tool_choice` forces."""
+
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`."""
+
+    function: NamedFunction
+    type: str = "function"
+
+    def __post_init__(self) -> None:
+        if self.type != "function":
+            raise FieldError(
+                "type", f"Only a tool_choice of type 'function' is supported, not '{self.type}'."
+            )
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -181,6 +249,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     documents: Any = None
     add_special_tokens: Any = None
     echo: Any = None
+    # Tool calling (validated against each other and the messages in server/tools.py).
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -255,12 +327,29 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
+class FunctionCall(msgspec.Struct):
+    """The function a tool call calls, with its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct):
+    """One tool call of a whole chat completion."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class AssistantMessage(msgspec.Struct):
     """The message of a non-streamed chat choice."""
 
     role: Literal["assistant"]
     content: str | None
     refusal: None = None
+    # Omitted unless the model called tools.
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -284,11 +373,28 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    """A piece of a streamed tool call's function: the name once, then pieces of the arguments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """A piece of one streamed tool call; its first piece carries id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class Delta(msgspec.Struct, omit_defaults=True):
     """What a chat stream chunk adds to one choice."""
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

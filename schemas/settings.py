@@ -18,6 +18,8 @@ ENV_PREFIX = "FERRY_"
 RouterPolicy = Literal["kv", "round_robin", "random", "least_loaded"]
 DecodeLoad = Literal["distinct", "sequences"]
 EngineName = Literal["sim", "vllm"]
+# vLLM's names of the tool-call formats the frontend reads (server/tool_parsers/); "" = none.
+ToolCallParser = Literal["", "hermes", "llama3_json", "mistral"]
 
 
 def _help(text: str, default: str | None = None) -> dict[str, str]:
@@ -230,6 +232,20 @@ class FrontendSettings(CommonSettings, RouterSettings, BatchSettings):
         default="",
         metadata=_help(
             "key for /v1/admin/* (and every other route); unset with --api-keys = admin routes closed"
+        ),
+    )
+    chat_template: str = dataclasses.field(
+        default="",
+        metadata=_help(
+            "chat template instead of the model's own: a file, a template shipped with Ferry (`hermes`: "
+            "ChatML with tools, for the default model), or the template text; empty = the model's"
+        ),
+    )
+    tool_call_parser: ToolCallParser = dataclasses.field(
+        default="",
+        metadata=_help(
+            "how to read tool calls in the model's output for `tool_choice: auto` (hermes, llama3_json, "
+            "mistral, as vLLM's --tool-call-parser); empty = auto tool choice is refused"
         ),
     )
 

@@ -7,6 +7,21 @@ from typing import Literal
 import msgspec
 
 
+class ToolCallMode(msgspec.Struct, omit_defaults=True, frozen=True):
+    """How a chat request's output becomes tool calls (server/tools.py decides, server/tool_parsers/ does it).
+
+    `auto`: the model may call tools in its own format, read by the parser `parser`; `required`: the
+    output is a JSON array of {name, parameters} (structured decoding enforces it); `named`: the output is
+    the arguments of `function`.
+    """
+
+    choice: Literal["auto", "required", "named"]
+    parser: str = ""
+    function: str = ""
+    # False: only the first call is kept (OpenAI's `parallel_tool_calls: false`).
+    parallel: bool = True
+
+
 class StreamRecord(msgspec.Struct, omit_defaults=True, frozen=True):
     """Where a resumable request's chunks are and how to turn them back into the same SSE events."""
 
@@ -24,6 +39,8 @@ class StreamRecord(msgspec.Struct, omit_defaults=True, frozen=True):
     echo_texts: list[str] = []
     frontend_id: str = ""
     continuous_usage: bool = False
+    # Chat requests with tools: how the output becomes tool calls.
+    tools: ToolCallMode | None = None
 
 
 stream_record_encoder = msgspec.msgpack.Encoder()

@@ -32,6 +32,7 @@ from server.model_files import ModelFiles
 from server.pool import WorkerPool
 from server.preprocess import Preprocessor
 from server.router import Router
+from server.templates import chat_template_text
 
 log = logging.getLogger("ferry.frontend")
 
@@ -132,7 +133,8 @@ async def _cancel_all(tasks: set[asyncio.Task[None]]) -> None:
 async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -> AsyncIterator[Frontend]:
     """Connect to Redis and Kafka, start the registry view and the readers; stop everything on exit."""
     s = settings
-    model = ModelFiles.load(Path(s.model_path), s.served_model_name)
+    template = chat_template_text(s.chat_template) if s.chat_template else None
+    model = ModelFiles.load(Path(s.model_path), s.served_model_name, template)
     redis = aioredis.from_url(s.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
     keys = RedisKeys(s.redis_prefix)
     index = KVIndex(redis, keys)
@@ -185,7 +187,7 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
         stack.push_async_callback(_timed, "admin ack reader", acks.stop)
         stack.push_async_callback(_timed, "unattended streams", lambda: _cancel_all(svc.detached))
         fe = Frontend(
-            settings=s, metrics=metrics, model=model, pre=Preprocessor(model, s.tokenize_threshold_chars),
+            settings=s, metrics=metrics, model=model, pre=Preprocessor(model, s.tokenize_threshold_chars, s.tool_call_parser),
             fmt=LogprobFormatter(model), svc=svc, lora_admin=LoraAdmin(acks, producer, pool, s.served_model_name), background=background,
         )  # fmt: skip
         log.info(

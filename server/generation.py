@@ -102,6 +102,7 @@ class Generation:
             logprobs=p.sampling.logprobs is not None,
             prompt_texts=p.prompt_texts,
             continuous_usage=p.continuous_usage,
+            tools=p.tools,
         )
 
     @property

@@ -73,6 +73,9 @@ def decode(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
         return decoder.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise from_validation_error(exc) from None
+    except RecursionError:
+        # Fields that hold any JSON (a tool's parameters schema) could otherwise nest until msgspec gives up.
+        raise APIError(400, "The JSON body is nested too deeply.", code="invalid_json") from None
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

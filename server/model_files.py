@@ -98,8 +98,9 @@ class ModelFiles:
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     @classmethod
-    def load(cls, path: Path, name: str) -> "ModelFiles":
-        """Read the model directory at `path`, to be served under `name`."""
+    def load(cls, path: Path, name: str, chat_template: str | None = None) -> "ModelFiles":
+        """Read the model directory at `path`, to be served under `name`; `chat_template` (its text)
+        replaces the model's own (vLLM's --chat-template)."""
         path = Path(path)
         config = _read_json(path / "config.json")
         tokenizer_config = _read_json(path / "tokenizer_config.json")
@@ -120,7 +121,8 @@ class ModelFiles:
             raise ModelFilesError(f"{path}: eos_token {eos_token!r} is not in tokenizer.json")
         tokens["eos_token"] = eos_token
 
-        chat_template = _chat_template(path, tokenizer_config)
+        if chat_template is None:
+            chat_template = _chat_template(path, tokenizer_config)
         return cls(
             name=name,
             path=path,

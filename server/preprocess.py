@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import jinja2
+import msgspec
 
 from schemas.kafka import SamplingParams
 from schemas.openai import (
@@ -18,6 +20,7 @@ from schemas.openai import (
     SamplingFields,
     TextPart,
 )
+from schemas.streams import ToolCallMode
 from server.errors import APIError
 from server.model_files import ModelFiles
 from server.structured_request import (
@@ -27,6 +30,7 @@ from server.structured_request import (
     structured_output,
     template_kwargs,
 )
+from server.tools import plan as plan_tools
 
 # OpenAI's default for /v1/completions; chat defaults to whatever the context leaves.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -46,6 +50,8 @@ class Prepared:
     priority: int
     # vLLM's `stream_options.continuous_usage_stats` (with include_usage): usage on every chunk.
     continuous_usage: bool = False
+    # Chat requests with tools: how the output becomes tool calls (server/tools.py).
+    tools: ToolCallMode | None = None
 
 
 def _flatten_content(content: str | list[Any] | None, index: int) -> str:
@@ -65,13 +71,36 @@ def _flatten_content(content: str | list[Any] | None, index: int) -> str:
     return "\n".join(parts)
 
 
+def _arguments(arguments: str | dict[str, Any] | None) -> dict[str, Any]:
+    # As vLLM hands them to templates: an object, not OpenAI's JSON text. Text that is no JSON object
+    # becomes {} (as vLLM does), so a malformed call in the history cannot make every later turn fail.
+    if isinstance(arguments, dict):
+        return arguments
+    if not arguments:
+        return {}
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages as plain dicts for the chat template, with content parts joined into text."""
+    """Messages as plain dicts for the chat template (as vLLM builds them): content parts joined into text,
+    assistant tool calls with their arguments as objects, tool results with the id of the call they answer."""
     out: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages):
         msg: dict[str, Any] = {"role": m.role, "content": _flatten_content(m.content, i)}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {"id": tc.id, "type": "function",
+                 "function": {"name": tc.function.name, "arguments": _arguments(tc.function.arguments)}}
+                for tc in m.tool_calls
+            ]  # fmt: skip
+        if m.role == "tool" and m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
 
@@ -140,9 +169,10 @@ def _budget(requested: int | None, longest_prompt: int, max_model_len: int, para
 class Preprocessor:
     """Applies the chat template and tokenizes, off the event loop when the prompt is long."""
 
-    def __init__(self, model: ModelFiles, threshold_chars: int) -> None:
+    def __init__(self, model: ModelFiles, threshold_chars: int, tool_call_parser: str = "") -> None:
         self.model = model
         self._threshold = threshold_chars
+        self._tool_call_parser = tool_call_parser
         # One thread: long prompts may use at most one of the cores the event loop also needs.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
@@ -154,6 +184,7 @@ class Preprocessor:
 
     async def chat(self, req: ChatCompletionRequest, max_model_len: int) -> Prepared:
         """Template, tokenize and budget a chat request."""
+        tools = plan_tools(req, self._tool_call_parser)
         messages = chat_messages(req)
         kwargs = template_kwargs(req)
         size = sum(len(m["content"]) for m in messages)
@@ -161,10 +192,11 @@ class Preprocessor:
             if size > self._threshold:
                 loop = asyncio.get_running_loop()
                 text = await loop.run_in_executor(
-                    self._pool, lambda: self.model.render_chat(messages, req.add_generation_prompt, **kwargs)
+                    self._pool,
+                    lambda: self.model.render_chat(messages, req.add_generation_prompt, tools.tools, **kwargs),
                 )
             else:
-                text = self.model.render_chat(messages, req.add_generation_prompt, **kwargs)
+                text = self.model.render_chat(messages, req.add_generation_prompt, tools.tools, **kwargs)
         except (jinja2.TemplateError, TypeError, ValueError) as exc:
             # The model's template refused the conversation (roles out of order, say) or failed on what the
             # request gave it (a chat_template_kwargs value of the wrong type): the client's error.
@@ -177,16 +209,23 @@ class Preprocessor:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = _budget(requested, len(ids), max_model_len, "messages", "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        sampling = self.model.generation_defaults.fill(_sampling(req, logprobs, self.model.vocab_size), req)
+        if tools.structured is not None:
+            # A forced tool call's schema takes the place of any response_format (as vLLM does).
+            sampling = msgspec.structs.replace(sampling, structured=tools.structured)
+        if tools.keep_special_tokens:
+            sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
         return Prepared(
             prompts=[ids],
             prompt_texts=[text],
             max_tokens=max_tokens,
-            sampling=self.model.generation_defaults.fill(_sampling(req, logprobs, self.model.vocab_size), req),
+            sampling=sampling,
             n=req.n,
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             priority=req.priority,
             continuous_usage=_continuous_usage(req),
+            tools=tools.mode,
         )
 
     async def completion(self, req: CompletionRequest, max_model_len: int) -> Prepared:

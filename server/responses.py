@@ -122,7 +122,13 @@ async def stream(
             # Resumable streams number one event per chunk; others merge what arrived together.
             deltas, error = _deltas(src, states, batch, merge=not ids)
             for d in deltas:
-                emit(_running_usage(events.delta(d), src.spec, d.tokens))
+                delta = events.delta(d)
+                if delta is None:
+                    # A delta with nothing to send yet still counts: event ids follow the chunks, so a
+                    # resumed stream numbers its events as the original did.
+                    eid += 1
+                    continue
+                emit(_running_usage(delta, src.spec, d.tokens))
             if error is not None:
                 out.append(_error_event(error))
                 out.append(DONE)

@@ -61,6 +61,7 @@ class Replay:
             logprobs=record.logprobs,
             prompt_texts=record.echo_texts,
             continuous_usage=record.continuous_usage,
+            tools=record.tools,
         )
         self.metrics: FrontendMetrics | None = None
         self.stream = ClientStream(request_id)

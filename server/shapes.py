@@ -23,11 +23,15 @@ from schemas.openai import (
     Completion,
     CompletionChoice,
     Delta,
+    DeltaToolCall,
     PromptTokensDetails,
     Usage,
 )
+from schemas.streams import ToolCallMode
 from server.logprobs import LogprobFormatter
 from server.streams import ChunkSource
+from server.tool_parsers import ToolParser, parser_for
+from server.tool_parsers.base import Step
 
 
 @dataclass
@@ -52,9 +56,31 @@ class ChoiceDelta:
     tokens: int = 0  # the choice's tokens up to and including this delta (continuous usage stats)
 
 
-def finish(reason: str | None) -> str | None:
-    """A finish reason as clients see it: "abort" only reaches a client that is gone, so it reads "stop"."""
-    return "stop" if reason == "abort" else reason
+def finish(reason: str | None, called: bool = False, mode: ToolCallMode | None = None) -> str | None:
+    """A finish reason as clients see it: "abort" only reaches a client that is gone, so it reads "stop".
+
+    A choice that ended by stopping after calling tools reads "tool_calls", except for a named
+    `tool_choice`, which reads "stop" (OpenAI's and vLLM's rule).
+    """
+    reason = "stop" if reason == "abort" else reason
+    if reason == "stop" and called and mode is not None and mode.choice != "named":
+        return "tool_calls"
+    return reason
+
+
+def _merged(calls: list[DeltaToolCall], mode: ToolCallMode) -> list[DeltaToolCall]:
+    # One entry per call and chunk (a call's first piece and more of its arguments can come together);
+    # without parallel calls, only the first call is kept (as vLLM filters).
+    out: list[DeltaToolCall] = []
+    for c in calls:
+        if not mode.parallel and c.index > 0:
+            continue
+        last = out[-1] if out else None
+        if last is not None and last.index == c.index and last.function and c.function:
+            last.function.arguments = (last.function.arguments or "") + (c.function.arguments or "")
+        else:
+            out.append(c)
+    return out
 
 
 def usage_of(prompt_lens: list[int], n: int, states: dict[int, ChoiceState]) -> Usage:
@@ -83,6 +109,8 @@ class Finished:
     n: int
     # The prompts put in front of each choice's text (completions with `echo`), else None.
     echo_texts: list[str] | None = None
+    # Chat requests with tools: how the output becomes tool calls.
+    tools: ToolCallMode | None = None
 
 
 class Events(Protocol):
@@ -92,8 +120,9 @@ class Events(Protocol):
         """Bodies sent before any output (chat: the role of each choice; completions: echoed prompts)."""
         ...
 
-    def delta(self, d: ChoiceDelta) -> msgspec.Struct:
-        """The body carrying one choice's delta."""
+    def delta(self, d: ChoiceDelta) -> msgspec.Struct | None:
+        """The body carrying one choice's delta; None when it carries nothing to send yet (a chat choice's
+        text held back because it may be the start of a tool call)."""
         ...
 
     def usage(self, usage: Usage) -> msgspec.Struct:
@@ -108,6 +137,10 @@ class ChatEvents:
         self._src = src
         self._fmt = fmt
         self._usage: Usage | UnsetType | None = None if src.spec.include_usage else UNSET
+        # With tools: each choice's parser, and the choices that called any.
+        self._tools = src.spec.tools
+        self._parsers: dict[int, ToolParser] = {}
+        self._called: set[int] = set()
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | UnsetType | None = None) -> ChatCompletionChunk:
         src = self._src
@@ -121,11 +154,27 @@ class ChatEvents:
         for c in range(self._src.spec.n):
             yield self._chunk([ChatChunkChoice(c, Delta(role="assistant", content=""))])
 
-    def delta(self, d: ChoiceDelta) -> msgspec.Struct:
-        """Text (or nothing, on the finishing chunk) with its logprobs."""
+    def delta(self, d: ChoiceDelta) -> msgspec.Struct | None:
+        """Text (or nothing, on the finishing chunk) with its logprobs; with tools, the content and tool-call
+        pieces the choice's parser makes of it."""
         logprobs = self._fmt.chat(d.logprobs) if self._src.spec.logprobs else None
-        delta = Delta(content=d.text) if d.text or d.finish_reason is None else Delta()
-        return self._chunk([ChatChunkChoice(d.choice, delta, logprobs, finish(d.finish_reason))])
+        if self._tools is None:
+            delta = Delta(content=d.text) if d.text or d.finish_reason is None else Delta()
+            return self._chunk([ChatChunkChoice(d.choice, delta, logprobs, finish(d.finish_reason))])
+        parser = self._parsers.get(d.choice)
+        if parser is None:
+            parser = self._parsers[d.choice] = parser_for(self._tools, self._src.id, d.choice)
+        step = parser.feed(d.text) if d.text else Step()
+        if d.finish_reason is not None:
+            step.extend(parser.end())
+        calls = _merged(step.calls, self._tools)
+        if calls:
+            self._called.add(d.choice)
+        if not step.content and not calls and d.finish_reason is None and logprobs is None:
+            return None
+        delta = Delta(content=step.content or None, tool_calls=calls or None)
+        reason = finish(d.finish_reason, d.choice in self._called, self._tools)
+        return self._chunk([ChatChunkChoice(d.choice, delta, logprobs, reason)])
 
     def usage(self, usage: Usage) -> msgspec.Struct:
         """No choices, the usage."""
@@ -171,17 +220,32 @@ class CompletionEvents:
         return self._chunk([], usage)
 
 
+def _message(done: Finished, choice: int, text: str) -> AssistantMessage:
+    mode = done.tools
+    if mode is None:
+        return AssistantMessage("assistant", text)
+    content, calls = parser_for(mode, done.id, choice).whole(text)
+    if not mode.parallel:
+        calls = calls[:1]
+    if not calls:
+        return AssistantMessage("assistant", content)
+    return AssistantMessage("assistant", content, tool_calls=calls)
+
+
 def chat_completion(done: Finished, fmt: LogprobFormatter) -> ChatCompletion:
     """The `chat.completion` body of finished choices (also what a batch item's output line carries)."""
-    choices = [
-        ChatChoice(
-            index=c,
-            message=AssistantMessage("assistant", "".join(s.text)),
-            logprobs=fmt.chat(s.logprobs) if done.logprobs else None,
-            finish_reason=finish(s.finish_reason),
+    choices = []
+    for c, s in sorted(done.states.items()):
+        message = _message(done, c, "".join(s.text))
+        called = isinstance(message.tool_calls, list)
+        choices.append(
+            ChatChoice(
+                index=c,
+                message=message,
+                logprobs=fmt.chat(s.logprobs) if done.logprobs else None,
+                finish_reason=finish(s.finish_reason, called, done.tools),
+            )
         )
-        for c, s in sorted(done.states.items())
-    ]
     usage = usage_of(done.prompt_lens, done.n, done.states)
     return ChatCompletion(id=done.id, created=done.created, model=done.model, choices=choices, usage=usage)
 

@@ -17,6 +17,7 @@ from enum import Enum
 from typing import Protocol
 
 from schemas.kafka import Chunk, ErrorInfo
+from schemas.streams import ToolCallMode
 from server.metrics import FrontendMetrics
 from server.router import Decision
 
@@ -84,6 +85,8 @@ class StreamSpec:
     logprobs: bool = False
     prompt_texts: list[str] = field(default_factory=list)
     continuous_usage: bool = False
+    # Chat requests with tools: how the output becomes tool calls.
+    tools: ToolCallMode | None = None
 
 
 def marker(request_id: str, attempt: int, worker_id: str) -> Chunk:

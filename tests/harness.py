@@ -37,6 +37,11 @@ class RunningWorker:
         return await self.task
 
 
+# The default model's own template cannot show tools: tests serve it with the shipped hermes template, as
+# `make run` does (plain chats render the same).
+TOOLS = {"chat_template": "hermes", "tool_call_parser": "hermes"}
+
+
 class Harness:
     """Starts workers and frontends against one broker and Redis under a test's own key prefix."""
 
@@ -71,7 +76,7 @@ class Harness:
         """Start one frontend on uvicorn on a free loopback port; returns it and its base URL."""
         port = free_port()
         settings = FrontendSettings(
-            **{**self.common, "frontend_id": f"fe-{uuid.uuid4().hex[:6]}", "port": port, **overrides}
+            **{**self.common, "frontend_id": f"fe-{uuid.uuid4().hex[:6]}", "port": port, **TOOLS, **overrides}
         )
         app = create_app(settings)
         server = ReadyServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))

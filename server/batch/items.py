@@ -113,6 +113,7 @@ class ItemPreparer:
             logprobs=prepared.sampling.logprobs is not None,
             echo_texts=prepared.prompt_texts if echo else [],
             reply_topic=reply_topic,
+            tools=prepared.tools,
         )
         message = request_encoder.encode(PoolItem(item_id=item, requests=requests, batch_id=batch_id))
         return PreparedItem(index, meta, prepared.prompts[0], message)
