@@ -75,17 +75,23 @@ def _deltas(
             return out, c.error
         if not (c.text or c.logprobs or c.finish_reason is not None):
             continue
+        tokens = states[seq.choice].tokens
+        if not merge:
+            out.append(ChoiceDelta(seq.choice, c.text, c.logprobs, c.finish_reason, tokens))
+            continue
         last = out[-1] if out else None
-        if merge and last is not None and last.choice == seq.choice and last.finish_reason is None:
-            last.text += c.text
-            if c.logprobs:
-                last.logprobs = last.logprobs + c.logprobs
-            last.finish_reason = c.finish_reason
-            last.tokens = states[seq.choice].tokens
-        else:
-            out.append(
-                ChoiceDelta(seq.choice, c.text, c.logprobs, c.finish_reason, states[seq.choice].tokens)
-            )
+        if c.text or c.logprobs:
+            if last is not None and last.choice == seq.choice and last.finish_reason is None:
+                last.text += c.text
+                if c.logprobs:
+                    last.logprobs = last.logprobs + c.logprobs
+                last.tokens = tokens
+            else:
+                out.append(ChoiceDelta(seq.choice, c.text, c.logprobs, None, tokens))
+        if c.finish_reason is not None:
+            # The finish reason in a delta of its own, as OpenAI sends it: the SDK's stream helper closes
+            # a tool call only on a finishing chunk that follows the call's deltas.
+            out.append(ChoiceDelta(seq.choice, "", [], c.finish_reason, tokens))
     return out, None
 
 

@@ -106,8 +106,8 @@ async def test_forced_call_whole_and_streamed_agree(client: openai.AsyncOpenAI, 
         else:
             assert d.id is None and d.function and d.function.name is None
         args[d.index] = args.get(d.index, "") + (d.function.arguments or "" if d.function else "")
-    # Arguments arrive in pieces, not in one.
-    assert len(deltas) > len(firsts)
+    # How many pieces depends on how many tokens reached the frontend together (a stream that is not
+    # resumable merges them); the pieces themselves are tested in tests/unit/test_tool_parsers.py.
     # Same seed, same calls (ids differ: they are the request's).
     assert [firsts[i][1] for i in sorted(firsts)] == [c.function.name for c in calls]
     assert len({firsts[i][0] for i in firsts}) == len(firsts)
