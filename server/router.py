@@ -30,6 +30,7 @@ import math
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.hashing import block_hashes, chain_seed
@@ -45,6 +46,10 @@ log = logging.getLogger("ferry.router")
 
 # How long KV index lookups must go without an error before the index counts as back.
 INDEX_RECOVERY_S = 1.0
+# How long the prompt blocks of a finished sequence count as held by its worker without the index saying so:
+# the engine's KV events reach the index some milliseconds after the first token reaches the frontend, and
+# on a quiet fleet the next request (often the conversation's next turn) is routed in between.
+RECENT_S = 2.0
 
 
 class AllBusy(Exception):
@@ -60,6 +65,7 @@ class Decision:
     prefill_tokens: int = 0
     decode_blocks: int = 0
     prefilled: bool = False
+    model: str = ""  # the base model whose index holds the blocks
     # kv policy: the prompt's full-block hashes (held while the sequence runs) and its partial block.
     blocks: list[int] = field(default_factory=list)
     partial_block: int = 0
@@ -90,12 +96,17 @@ class Router:
         index: KVIndex | None = None,
         rng: random.Random | None = None,
         index_recovery_s: float = INDEX_RECOVERY_S,
+        recent_s: float = RECENT_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.policy = config.router_policy
         self._metrics = metrics
         self._index = index if config.kv_events else None
         self.approx = ApproxIndex(config.approx_ttl_s) if not config.kv_events else None
+        # Prompts of sequences that finished in the last `recent_s`, per worker (kv events only; see RECENT_S).
+        self.recent = ApproxIndex(recent_s) if config.kv_events and recent_s > 0 else None
+        self._clock = clock
         self._rng = rng or random.Random()
         self._rr = 0
         self.local: dict[str, WorkerLoad] = {}
@@ -147,9 +158,12 @@ class Router:
                 prompt.lora_name = model
             chain = prompt.chain(base, block_size)
             overlaps = await self._overlaps(base, chain)
+            if self.recent is not None:
+                for wid, n in self.recent.overlaps(base, chain, self._clock()).items():
+                    overlaps[wid] = max(n, overlaps.get(wid, 0))
             w, overlap = self._cheapest(candidates, overlaps, len(prompt.tokens), prompt_blocks, chain)
             if self.approx is not None:
-                self.approx.record(base, w.worker_id, chain)
+                self.approx.record(base, w.worker_id, chain, self._clock())
         self._metrics.router_decision_seconds.observe(time.perf_counter() - t0)
         self._metrics.router_decisions.labels(self.policy, w.worker_id).inc()
         self._metrics.predicted_cached_tokens.inc(overlap * block_size)
@@ -160,11 +174,12 @@ class Router:
             decode_blocks=prompt_blocks,
             blocks=chain,
             partial_block=prompt_blocks - len(chain) if chain else 0,
+            model=candidates[0].model,
         )
 
     async def _overlaps(self, model: str, chain: list[int]) -> dict[str, int]:
         if self.approx is not None:
-            return self.approx.overlaps(model, chain)
+            return self.approx.overlaps(model, chain, self._clock())
         if self._index is None:
             return {}
         t0 = time.perf_counter()
@@ -287,14 +302,18 @@ class Router:
             if self.config.decode_load == "distinct":
                 removed = before - len(active) + d.partial_block
         load.decode_blocks -= removed
+        # A prefilled prompt stays in the engine's cache; until the index hears of it, remember it here.
+        if d.prefilled and d.blocks and self.recent is not None:
+            self.recent.record(d.model, d.worker_id, d.blocks, self._clock())
         if load.sequences <= 0:
             del self.local[d.worker_id]
             self.active_blocks.pop(d.worker_id, None)
 
     def forget_worker(self, worker_id: str) -> None:
         """A worker died: drop what the approximate index believed about it."""
-        if self.approx is not None:
-            self.approx.forget_worker(worker_id)
+        for approx in (self.approx, self.recent):
+            if approx is not None:
+                approx.forget_worker(worker_id)
 
 
 def _leading(chain: list[int], held: Counter[int]) -> int:
