@@ -288,7 +288,9 @@ async def _serve(cluster: Cluster, item: WorkItem, start: float, res: RequestRes
     router = cluster.router
     while True:
         try:
-            d: Decision = await router.choose(MODEL, cluster.statuses(), PromptMemo(item.prompt))
+            d: Decision = await router.choose(
+                MODEL, cluster.statuses(), PromptMemo(item.prompt, max_tokens=item.max_tokens)
+            )
             break
         except AllBusy:
             await asyncio.sleep(0.1)  # a frontend waits for the next registry refresh
