@@ -278,3 +278,21 @@ async def test_no_recent_credit_without_kv_events_or_when_disabled() -> None:
     assert _router(kv_events=False).recent is None
     r = Router(RouterSettings(router_policy="kv"), FrontendMetrics(), FakeIndex({}), recent_s=0)  # type: ignore[arg-type]
     assert r.recent is None
+
+
+async def test_a_first_token_only_sequence_carries_no_decode_load() -> None:
+    idx = FakeIndex({})
+    r = _router(index=idx)
+    short = await r.choose("m", [_w("a")], PromptMemo(list(range(7000, 7096)), max_tokens=1))
+    r.started(short)
+    assert not short.decodes and r.local["a"].decode_blocks == 0 and r.local["a"].prefill_tokens == 96
+    idx.held = {"a": 10}  # `a` caches PROMPT
+    # Beside it: (96 + 160) / 16 - 10 to prefill + 10 to decode = 16; elsewhere 10 + 10 = 20. Charged 6
+    # decode blocks for the first-token-only sequence, `a` would cost 22 and lose its cached prefix.
+    d = await r.choose("m", [_w("a"), _w("b")], PromptMemo(PROMPT))
+    assert (d.worker_id, d.decodes) == ("a", True)
+    r.started(d)
+    assert r.local["a"].decode_blocks == 10
+    r.finished(short)
+    r.finished(d)
+    assert r.local == {} and r.active_blocks == {} and r.decoding_blocks == {}
