@@ -14,9 +14,11 @@ the sum of the context lengths); on the conversation trace it lost a quarter of 
 worse TTFT at every rate (docs/benchmarks.md, Routing), so it stays an option, not the default.
 
 overlap(w) is the longer of what the KV index says w caches and (`inflight_overlap`, default) the leading
-blocks of the prompt that sequences this frontend sent to w are holding: the index hears of a prompt's
-blocks only once the engine has prefilled them, and a conversation's next turn or a burst on one system
-prompt often arrives sooner.
+blocks of the prompt that sequences this frontend sent to w are holding, and of those that sequences it saw
+finish on w in the last RECENT_S left behind: the index hears of a prompt's blocks only once the engine has
+prefilled them and the worker has published the event, and a conversation's next turn or a burst on one
+system prompt often arrives sooner. A sequence asking for at most one token never decodes: it adds no
+decode load (decode_blocks is 0 for it, and its prompt blocks are not counted as decoding).
 
 Lowest cost wins, ties at random; with a temperature T > 0 the choice is sampled with probability
 proportional to exp(-(cost - min) / ((max - min) * T)). Load is this frontend's own exact in-flight
