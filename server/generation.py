@@ -121,7 +121,7 @@ class Generation:
         router = self.svc.router
         try:
             for pi, ids in enumerate(p.prompts):
-                memo = PromptMemo(ids)
+                memo = PromptMemo(ids, max_tokens=p.max_tokens)
                 for c in range(p.n):
                     decision = await self.choose(memo)
                     router.started(decision)

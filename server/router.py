@@ -14,9 +14,11 @@ the sum of the context lengths); on the conversation trace it lost a quarter of 
 worse TTFT at every rate (docs/benchmarks.md, Routing), so it stays an option, not the default.
 
 overlap(w) is the longer of what the KV index says w caches and (`inflight_overlap`, default) the leading
-blocks of the prompt that sequences this frontend sent to w are holding: the index hears of a prompt's
-blocks only once the engine has prefilled them, and a conversation's next turn or a burst on one system
-prompt often arrives sooner.
+blocks of the prompt that sequences this frontend sent to w are holding, and of those that sequences it saw
+finish on w in the last RECENT_S left behind: the index hears of a prompt's blocks only once the engine has
+prefilled them and the worker has published the event, and a conversation's next turn or a burst on one
+system prompt often arrives sooner. A sequence asking for at most one token never decodes: it adds no
+decode load (decode_blocks is 0 for it, and its prompt blocks are not counted as decoding).
 
 Lowest cost wins, ties at random; with a temperature T > 0 the choice is sampled with probability
 proportional to exp(-(cost - min) / ((max - min) * T)). Load is this frontend's own exact in-flight
@@ -30,6 +32,7 @@ import math
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.hashing import block_hashes, chain_seed
@@ -45,6 +48,10 @@ log = logging.getLogger("ferry.router")
 
 # How long KV index lookups must go without an error before the index counts as back.
 INDEX_RECOVERY_S = 1.0
+# How long the prompt blocks of a finished sequence count as held by its worker without the index saying so:
+# the engine's KV events reach the index some milliseconds after the first token reaches the frontend, and
+# on a quiet fleet the next request (often the conversation's next turn) is routed in between.
+RECENT_S = 2.0
 
 
 class AllBusy(Exception):
@@ -59,7 +66,9 @@ class Decision:
     predicted_cached_blocks: int = 0
     prefill_tokens: int = 0
     decode_blocks: int = 0
+    decodes: bool = True  # False: at most one token asked for, so no decode phase and no decode load
     prefilled: bool = False
+    model: str = ""  # the base model whose index holds the blocks
     # kv policy: the prompt's full-block hashes (held while the sequence runs) and its partial block.
     blocks: list[int] = field(default_factory=list)
     partial_block: int = 0
@@ -71,6 +80,7 @@ class PromptMemo:
 
     tokens: list[int]
     lora_name: str | None = None
+    max_tokens: int | None = None  # None: unknown, assumed to decode
     hashes: dict[int, list[int]] = field(default_factory=dict)
 
     def chain(self, model: str, block_size: int) -> list[int]:
@@ -90,18 +100,25 @@ class Router:
         index: KVIndex | None = None,
         rng: random.Random | None = None,
         index_recovery_s: float = INDEX_RECOVERY_S,
+        recent_s: float = RECENT_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.policy = config.router_policy
         self._metrics = metrics
         self._index = index if config.kv_events else None
         self.approx = ApproxIndex(config.approx_ttl_s) if not config.kv_events else None
+        # Prompts of sequences that finished in the last `recent_s`, per worker (kv events only; see RECENT_S).
+        self.recent = ApproxIndex(recent_s) if config.kv_events and recent_s > 0 else None
+        self._clock = clock
         self._rng = rng or random.Random()
         self._rr = 0
         self.local: dict[str, WorkerLoad] = {}
         self.remote: dict[str, WorkerLoad] = {}
-        # Distinct full blocks of this frontend's active sequences per worker, with reference counts.
+        # Distinct full blocks of this frontend's active sequences per worker, with reference counts; and of
+        # those that will decode (the decode load counts these).
         self.active_blocks: dict[str, Counter[int]] = {}
+        self.decoding_blocks: dict[str, Counter[int]] = {}
         self.index_ok = True
         self._index_failed_at = -math.inf
         self._index_recovery_s = index_recovery_s
@@ -127,6 +144,7 @@ class Router:
         if not candidates:
             raise AllBusy()
         t0 = time.perf_counter()
+        decodes = prompt.max_tokens is None or prompt.max_tokens > 1
         block_size = candidates[0].block_size
         prompt_blocks = math.ceil(len(prompt.tokens) / block_size)
         overlap = 0
@@ -147,9 +165,14 @@ class Router:
                 prompt.lora_name = model
             chain = prompt.chain(base, block_size)
             overlaps = await self._overlaps(base, chain)
-            w, overlap = self._cheapest(candidates, overlaps, len(prompt.tokens), prompt_blocks, chain)
+            if self.recent is not None:
+                for wid, n in self.recent.overlaps(base, chain, self._clock()).items():
+                    overlaps[wid] = max(n, overlaps.get(wid, 0))
+            w, overlap = self._cheapest(
+                candidates, overlaps, len(prompt.tokens), prompt_blocks if decodes else 0, chain
+            )
             if self.approx is not None:
-                self.approx.record(base, w.worker_id, chain)
+                self.approx.record(base, w.worker_id, chain, self._clock())
         self._metrics.router_decision_seconds.observe(time.perf_counter() - t0)
         self._metrics.router_decisions.labels(self.policy, w.worker_id).inc()
         self._metrics.predicted_cached_tokens.inc(overlap * block_size)
@@ -157,14 +180,16 @@ class Router:
             worker_id=w.worker_id,
             predicted_cached_blocks=overlap,
             prefill_tokens=max(0, len(prompt.tokens) - overlap * block_size),
-            decode_blocks=prompt_blocks,
+            decode_blocks=prompt_blocks if decodes else 0,
+            decodes=decodes,
             blocks=chain,
             partial_block=prompt_blocks - len(chain) if chain else 0,
+            model=candidates[0].model,
         )
 
     async def _overlaps(self, model: str, chain: list[int]) -> dict[str, int]:
         if self.approx is not None:
-            return self.approx.overlaps(model, chain)
+            return self.approx.overlaps(model, chain, self._clock())
         if self._index is None:
             return {}
         t0 = time.perf_counter()
@@ -201,7 +226,7 @@ class Router:
         workers: list[WorkerStatus],
         overlaps: dict[str, int],
         prompt_tokens: int,
-        prompt_blocks: int,
+        decode_blocks: int,
         chain: list[int],
     ) -> tuple[WorkerStatus, int]:
         weight = self.config.overlap_weight
@@ -214,9 +239,12 @@ class Router:
             pending = (local.prefill_tokens if local else 0) + (remote.prefill_tokens if remote else 0)
             decoding = (local.decode_blocks if local else 0) + (remote.decode_blocks if remote else 0)
             active = self.active_blocks.get(wid)
-            # Blocks of this prompt that active sequences on w already hold add no decode load there. They
-            # are a leading run of the chain: a chained hash held implies its whole prefix is held.
+            # Blocks of this prompt that active sequences on w already hold: a leading run of the chain (a
+            # chained hash held implies its whole prefix is held). Those held by decoding sequences add no
+            # decode load there.
             shared = _leading(chain, active) if active else 0
+            held = self.decoding_blocks.get(wid)
+            shared_decoding = _leading(chain, held) if held and decode_blocks else 0
             # The index learns of a prompt's blocks only once the engine has prefilled them; until then
             # the sequences this frontend sent are the freshest evidence of what a worker will hold.
             overlap = overlaps.get(wid, 0)
@@ -224,7 +252,7 @@ class Router:
                 overlap = max(overlap, shared)
             best[wid] = overlap
             prefill_blocks = (pending + prompt_tokens) / w.block_size - overlap
-            new_decode = prompt_blocks - shared if distinct else prompt_blocks
+            new_decode = decode_blocks - shared_decoding if distinct else decode_blocks
             costs.append(weight * prefill_blocks + decoding + new_decode)
         lo, hi = min(costs), max(costs)
         t = self.config.router_temperature
@@ -253,11 +281,13 @@ class Router:
         load.sequences += 1
         added = d.decode_blocks
         if d.blocks:
-            active = self.active_blocks.setdefault(d.worker_id, Counter())
-            before = len(active)
-            active.update(d.blocks)
-            if self.config.decode_load == "distinct":
-                added = len(active) - before + d.partial_block
+            self.active_blocks.setdefault(d.worker_id, Counter()).update(d.blocks)
+            if d.decodes:
+                held = self.decoding_blocks.setdefault(d.worker_id, Counter())
+                before = len(held)
+                held.update(d.blocks)
+                if self.config.decode_load == "distinct":
+                    added = len(held) - before + d.partial_block
         load.decode_blocks += added
 
     def prefilled(self, d: Decision) -> None:
@@ -277,24 +307,38 @@ class Router:
             load.prefill_tokens -= d.prefill_tokens
         load.sequences -= 1
         removed = d.decode_blocks
-        active = self.active_blocks.get(d.worker_id)
-        if d.blocks and active is not None:
-            before = len(active)
-            for h in d.blocks:
-                active[h] -= 1
-                if active[h] <= 0:
-                    del active[h]
-            if self.config.decode_load == "distinct":
-                removed = before - len(active) + d.partial_block
+        if d.blocks:
+            _release(self.active_blocks.get(d.worker_id), d.blocks)
+            held = self.decoding_blocks.get(d.worker_id)
+            if d.decodes and held is not None:
+                before = len(held)
+                _release(held, d.blocks)
+                if self.config.decode_load == "distinct":
+                    removed = before - len(held) + d.partial_block
         load.decode_blocks -= removed
+        # A prefilled prompt stays in the engine's cache; until the index hears of it, remember it here.
+        if d.prefilled and d.blocks and self.recent is not None:
+            self.recent.record(d.model, d.worker_id, d.blocks, self._clock())
         if load.sequences <= 0:
             del self.local[d.worker_id]
             self.active_blocks.pop(d.worker_id, None)
+            self.decoding_blocks.pop(d.worker_id, None)
 
     def forget_worker(self, worker_id: str) -> None:
         """A worker died: drop what the approximate index believed about it."""
-        if self.approx is not None:
-            self.approx.forget_worker(worker_id)
+        for approx in (self.approx, self.recent):
+            if approx is not None:
+                approx.forget_worker(worker_id)
+
+
+def _release(held: Counter[int] | None, blocks: list[int]) -> None:
+    """Drop one reference to each of `blocks`."""
+    if held is None:
+        return
+    for h in blocks:
+        held[h] -= 1
+        if held[h] <= 0:
+            del held[h]
 
 
 def _leading(chain: list[int], held: Counter[int]) -> int:

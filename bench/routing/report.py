@@ -176,7 +176,7 @@ def plot(results: dict[str, Any], ttft_path: Path, cache_path: Path) -> list[Pat
             ax.set_title("Mooncake conversation trace (scaled): TTFT vs. load", fontsize=10)
         else:
             ax.set_xlabel("shared-prefix fraction")
-            ax.set_title(f"synthetic prefix sweep at {rate:g} req/s", fontsize=10)
+            ax.set_title(f"synthetic prefix sweep {_at(rate)}", fontsize=10)
     fig.suptitle(f"Routing: time to first token per policy\n{subtitle}", fontsize=10)
     fig.tight_layout()
     fig.savefig(ttft_path, dpi=110)
@@ -216,7 +216,7 @@ def plot(results: dict[str, Any], ttft_path: Path, cache_path: Path) -> list[Pat
             if xs:
                 ax.plot(xs, [100 * y for y in ys], color="black", linewidth=2, label="bound")
             ax.set_xlabel("shared-prefix fraction")
-            ax.set_title(f"synthetic prefix sweep at {rate:g} req/s", fontsize=10)
+            ax.set_title(f"synthetic prefix sweep {_at(rate)}", fontsize=10)
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
         ax.set_ylabel("cached prompt tokens (%)")
@@ -243,3 +243,7 @@ if __name__ == "__main__":
     if a.plot_prefix:
         pp = a.plot_prefix
         print(*plot(doc, pp.with_name(pp.name + "_ttft.png"), pp.with_name(pp.name + "_cache.png")), sep="\n")
+
+
+def _at(rate: float | None) -> str:
+    return "unloaded (one request per worker at a time)" if not rate else f"at {rate:g} req/s"

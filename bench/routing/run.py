@@ -73,7 +73,7 @@ class PlanItem:
     def key(self) -> str:
         """Names the run across systems."""
         if self.probe:
-            return f"{self.kind}@unloaded"
+            return "trace@unloaded" if self.kind == "trace" else f"prefix{self.prefix_fraction:g}@unloaded"
         if self.kind == "trace":
             return f"trace@{self.rate:g}"
         return f"prefix{self.prefix_fraction:g}@{self.rate:g}"
@@ -84,7 +84,7 @@ class PlanSettings:
     """What to run."""
 
     trace_path: Path
-    trace_unloaded: bool
+    trace_unloaded: bool  # also the prefix sweep's unloaded reference, when the sweep runs
     trace_rates: tuple[float, ...]
     trace_requests: int
     trace_seconds: float
@@ -104,7 +104,11 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def add_workload_arguments(
-    p: argparse.ArgumentParser, *, speedup: float, trace_rates: tuple[float, ...], prefix_rates: tuple[float, ...]
+    p: argparse.ArgumentParser,
+    *,
+    speedup: float,
+    trace_rates: tuple[float, ...],
+    prefix_rates: tuple[float, ...],
 ) -> None:
     """The engine and workload flags bench.routing and bench.routing.virtual share (same flags, same plan)."""
     p.add_argument("--workers", type=int, default=8)
@@ -113,14 +117,21 @@ def add_workload_arguments(
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per worker (both engines)")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--unloaded", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure the unloaded reference: the trace's requests, one per worker at a time, max_tokens 1")  # fmt: skip
-    p.add_argument("--trace-rates", type=_floats, default=trace_rates, help="request rates of the trace replay")
+                   help="measure the unloaded reference: the trace's requests (and, with --prefix-rates, each prefix "
+                   "fraction's), one per worker at a time, max_tokens 1")  # fmt: skip
+    p.add_argument(
+        "--trace-rates", type=_floats, default=trace_rates, help="request rates of the trace replay"
+    )
     p.add_argument("--trace-requests", type=int, default=240, help="most trace requests per run")
     p.add_argument("--trace-seconds", type=float, default=24.0,
                    help="a rate r so low that trace-requests would take longer replays r * this of them, evenly spaced")  # fmt: skip
-    p.add_argument("--trace-sample-every", type=int, default=32, help="keep 1 in N conversations of the trace")
+    p.add_argument(
+        "--trace-sample-every", type=int, default=32, help="keep 1 in N conversations of the trace"
+    )
     p.add_argument("--prefix-fractions", type=_floats, default=(0.1, 0.3, 0.5, 0.7, 0.9))
-    p.add_argument("--prefix-rates", type=_floats, default=prefix_rates, help="request rates of the prefix sweep")
+    p.add_argument(
+        "--prefix-rates", type=_floats, default=prefix_rates, help="request rates of the prefix sweep"
+    )
     p.add_argument("--prefix-requests", type=int, default=64)
     p.add_argument("--prefix-input-tokens", type=int, default=2048)
     p.add_argument("--prefix-output-tokens", type=int, default=32)
@@ -195,6 +206,21 @@ def build_plan(s: PlanSettings) -> list[PlanItem]:
                 wl = wl.strided(n)
             wl = wl.at_rate(rate)
             plan.append(PlanItem("trace", wl, _bound(wl, s.block_tokens), rate, None, s.block_tokens))
+    if s.prefix_rates and s.trace_unloaded:
+        # The sweep's unloaded reference: each fraction's requests one per worker at a time, first token only.
+        for f in s.prefix_fractions:
+            wl = prefix_workload(
+                f,
+                requests=s.prefix_requests,
+                input_tokens=s.prefix_input_tokens,
+                output_tokens=1,
+                groups=s.prefix_groups,
+                block_tokens=s.block_tokens,
+                salt=f"prefix{f:g}@unloaded",
+            )
+            plan.append(
+                PlanItem("prefix", wl, _bound(wl, s.block_tokens), 0.0, f, s.block_tokens, probe=True)
+            )
     for rate in s.prefix_rates:
         for f in s.prefix_fractions:
             wl = prefix_workload(
@@ -253,7 +279,9 @@ def ttft_dist_ms(values: Sequence[float]) -> dict[str, float | None]:
             continue
         k = q / 100 * (arr.size - 1)
         lo, hi = arr[math.floor(k)], arr[math.ceil(k)]
-        out[f"p{q}"] = None if math.isinf(hi) else round(float(lo + (hi - lo) * (k - math.floor(k))) * 1000.0, 2)
+        out[f"p{q}"] = (
+            None if math.isinf(hi) else round(float(lo + (hi - lo) * (k - math.floor(k))) * 1000.0, 2)
+        )
     return out
 
 
@@ -294,7 +322,9 @@ def summarize(system: str, item: PlanItem, rep: ReplayResult, cpu: dict[str, flo
         "wrong_length": short,
         "ttft_ms": ttft_dist_ms(ttft_samples(rep.results)),
         # Of the TTFT samples, requests the deadline cut off before their first token.
-        "ttft_censored": sum(1 for r in rep.results if not r.ok and r.error == "deadline" and math.isnan(r.ttft)),
+        "ttft_censored": sum(
+            1 for r in rep.results if not r.ok and r.error == "deadline" and math.isnan(r.ttft)
+        ),
         "itl_ms": _dist_ms(itls),
         "tpot_ms_p50": _ms(pct(tpot, 50)),
         "e2e_ms": _dist_ms([r.e2e for r in ok]),

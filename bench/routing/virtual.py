@@ -46,7 +46,7 @@ from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEve
 from schemas.settings import RouterSettings
 from schemas.status import WorkerStatus
 from server.metrics import FrontendMetrics
-from server.router import AllBusy, Decision, PromptMemo, Router
+from server.router import RECENT_S, AllBusy, Decision, PromptMemo, Router
 from workers.model_dir import load_model_info
 from workers.sim import SimConfig, SimEngine
 
@@ -71,21 +71,42 @@ POLICIES: dict[str, RouterSettings] = {
 ORACLE = "oracle greedy-ttft"
 
 
+# Router constructor arguments a system name may also override (not settings: fixed in a deployment).
+ROUTER_ARGS: dict[str, float] = {"recent_s": RECENT_S}
+
+
 def router_config(system: str) -> RouterSettings:
     """The router configuration a system name stands for."""
+    return _parse_system(system)[0]
+
+
+def router_args(system: str) -> dict[str, float]:
+    """The `ROUTER_ARGS` a system name overrides, e.g. "ferry kv recent_s=0"."""
+    return _parse_system(system)[1]
+
+
+def _parse_system(system: str) -> tuple[RouterSettings, dict[str, float]]:
     words = system.split()
     base = " ".join(words[:2])
     if base not in POLICIES:
         raise ValueError(f"unknown system {system!r}; known: {', '.join([*POLICIES, ORACLE])}")
     config = POLICIES[base]
     overrides: dict[str, Any] = {}
+    args: dict[str, float] = {}
     for word in words[2:]:
         key, sep, value = word.partition("=")
+        if sep and key in ROUTER_ARGS:
+            args[key] = float(value)
+            continue
         if not sep or not hasattr(config, key):
-            raise ValueError(f"{system!r}: {word!r} is not a RouterSettings field=value")
+            raise ValueError(
+                f"{system!r}: {word!r} is not a RouterSettings field=value (nor one of {list(ROUTER_ARGS)})"
+            )
         default = getattr(config, key)
-        overrides[key] = value.lower() in ("1", "true", "yes") if isinstance(default, bool) else type(default)(value)
-    return replace(config, **overrides)
+        overrides[key] = (
+            value.lower() in ("1", "true", "yes") if isinstance(default, bool) else type(default)(value)
+        )
+    return replace(config, **overrides), args
 
 
 # ---- a clock that jumps ----------------------------------------------------------------------------------
@@ -246,14 +267,18 @@ def build_cluster(system: str, knobs: EngineKnobs, model_path: str, hop_s: float
         max_model_len=knobs.max_model_len,
     )
     engines = {
-        f"w{i}": SimEngine(MODEL, info.tokenizer, sim, eos_token_id=info.eos_token_id) for i in range(knobs.workers)
+        f"w{i}": SimEngine(MODEL, info.tokenizer, sim, eos_token_id=info.eos_token_id)
+        for i in range(knobs.workers)
     }
     index = MemoryIndex()
     router: Chooser
     if system == ORACLE:
         router = GreedyOracle(engines)
     else:
-        router = Router(router_config(system), FrontendMetrics(), index, rng=random.Random(seed))  # type: ignore[arg-type]
+        router = Router(
+            router_config(system), FrontendMetrics(), index, rng=random.Random(seed),  # type: ignore[arg-type]
+            clock=lambda: asyncio.get_running_loop().time(), **router_args(system),
+        )  # fmt: skip
     return Cluster(engines, router, index, knobs.block_size, hop_s, event_delay_s)
 
 
@@ -263,7 +288,9 @@ async def _serve(cluster: Cluster, item: WorkItem, start: float, res: RequestRes
     router = cluster.router
     while True:
         try:
-            d: Decision = await router.choose(MODEL, cluster.statuses(), PromptMemo(item.prompt))
+            d: Decision = await router.choose(
+                MODEL, cluster.statuses(), PromptMemo(item.prompt, max_tokens=item.max_tokens)
+            )
             break
         except AllBusy:
             await asyncio.sleep(0.1)  # a frontend waits for the next registry refresh

@@ -243,3 +243,56 @@ def test_prompt_memo_hashes_once_per_block_size() -> None:
     assert memo.chain("m", 16) is memo.chain("m", 16)
     assert memo.chain("m", 16) == block_hashes(PROMPT, 16, chain_seed("m", "x"))
     assert memo.chain("m", 16) != block_hashes(PROMPT, 16, chain_seed("m"))
+
+
+async def test_a_finished_prompt_counts_as_held_until_the_index_hears_of_it() -> None:
+    # The first turn finished; its KV events have not reached the index yet when the next turn arrives.
+    now = [0.0]
+    r = Router(
+        RouterSettings(router_policy="kv"), FrontendMetrics(), FakeIndex({}), random.Random(0),  # type: ignore[arg-type]
+        recent_s=2.0, clock=lambda: now[0],
+    )  # fmt: skip
+    workers = [_w("a"), _w("b"), _w("c")]
+    first = await r.choose("m", workers, PromptMemo(PROMPT))
+    r.started(first)
+    r.prefilled(first)
+    r.finished(first)
+    assert r.local == {}
+    nxt = PromptMemo(PROMPT + list(range(9000, 9032)))
+    second = await r.choose("m", workers, nxt)
+    assert (second.worker_id, second.predicted_cached_blocks) == (first.worker_id, 10)
+    now[0] = 2.5  # past RECENT_S: only the index counts again
+    assert (await r.choose("m", workers, nxt)).predicted_cached_blocks == 0
+    # A sequence that never produced a token left nothing computed behind.
+    unprefilled = await r.choose("m", workers, PromptMemo(list(range(20000, 20160))))
+    r.started(unprefilled)
+    r.finished(unprefilled)
+    again = await r.choose("m", workers, PromptMemo(list(range(20000, 20160))))
+    assert again.predicted_cached_blocks == 0
+    r.forget_worker(first.worker_id)
+    now[0] = 0.0
+    assert r.recent is not None and r.recent.overlaps("m", second.blocks, now=0.0) == {}
+
+
+async def test_no_recent_credit_without_kv_events_or_when_disabled() -> None:
+    assert _router(kv_events=False).recent is None
+    r = Router(RouterSettings(router_policy="kv"), FrontendMetrics(), FakeIndex({}), recent_s=0)  # type: ignore[arg-type]
+    assert r.recent is None
+
+
+async def test_a_first_token_only_sequence_carries_no_decode_load() -> None:
+    idx = FakeIndex({})
+    r = _router(index=idx)
+    short = await r.choose("m", [_w("a")], PromptMemo(list(range(7000, 7096)), max_tokens=1))
+    r.started(short)
+    assert not short.decodes and r.local["a"].decode_blocks == 0 and r.local["a"].prefill_tokens == 96
+    idx.held = {"a": 10}  # `a` caches PROMPT
+    # Beside it: (96 + 160) / 16 - 10 to prefill + 10 to decode = 16; elsewhere 10 + 10 = 20. Charged 6
+    # decode blocks for the first-token-only sequence, `a` would cost 22 and lose its cached prefix.
+    d = await r.choose("m", [_w("a"), _w("b")], PromptMemo(PROMPT))
+    assert (d.worker_id, d.decodes) == ("a", True)
+    r.started(d)
+    assert r.local["a"].decode_blocks == 10
+    r.finished(short)
+    r.finished(d)
+    assert r.local == {} and r.active_blocks == {} and r.decoding_blocks == {}
