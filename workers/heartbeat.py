@@ -7,7 +7,9 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
+from bus.reader import Reader
 from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
 from schemas.settings import WorkerSettings
@@ -45,6 +47,8 @@ class Heartbeat:
         self.stopped = False  # left, or failed: no heartbeat may register us again
         self._publishing: asyncio.Future[None] | None = None
         self._redis_ok = True
+        # Kafka readers whose consumer lag is recorded with every heartbeat (set by the worker).
+        self.readers: list[Reader[Any]] = []
 
     @property
     def ttl_s(self) -> float:
@@ -80,6 +84,8 @@ class Heartbeat:
             return  # a heartbeat now would register a worker that can no longer serve
         status = self.status()
         self._metrics.observe(self._engine.stats(), self._inflight())
+        for reader in self.readers:
+            await self._metrics.record_lag(reader)
         # Kept so leave() can wait for it: a publish still in flight would re-register us after we left.
         self._publishing = asyncio.ensure_future(self._registry.publish(status, self.ttl_s))
         await asyncio.shield(self._publishing)

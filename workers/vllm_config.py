@@ -80,7 +80,8 @@ def engine_args(cfg: VLLMConfig, model_path: Path, served_name: str, kv_events_e
         scheduling_policy=cfg.scheduling_policy,
         max_logprobs=cfg.max_logprobs,
         seed=cfg.seed,
-        # Only our recorder: vLLM's default loggers would print and register Prometheus metrics.
+        # No default loggers (they print every few seconds): the engine passes its own recorder and vLLM's
+        # Prometheus logger, which turn stats on anyway.
         disable_log_stats=True,
         **_lora_args(cfg),
         kv_events_config=KVEventsConfig(
