@@ -269,7 +269,11 @@ class Reader(Generic[T]):
         if self._consumer is None:
             return {}
         out: dict[str, int] = {}
-        for tp, position, end in await positions_and_ends(self._consumer):
+        try:
+            ends = await positions_and_ends(self._consumer)
+        except (AssertionError, KafkaError):
+            return {}  # a rebalance took a partition away meanwhile: the next reading has it right
+        for tp, position, end in ends:
             out[tp.topic] = out.get(tp.topic, 0) + max(end - position, 0)
         return out
 

@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.errors import APIError
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/discovery/prometheus", "/openapi.json"})
 ADMIN_PREFIX = "/v1/admin"
 
 

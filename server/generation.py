@@ -258,7 +258,8 @@ class Generation:
         if self.first_token_at is None:
             self.first_token_at = t
             self._m.ttft.observe(t - self.started_at)
-            n -= 1  # the first token has no gap before it
+            n -= 1  # the first token has no gap before it; any others delivered with it, none either
+            self._last_token_at = t
         if n:
             # k tokens delivered together after a gap g: each token took g/k (merged deltas stay counted).
             gap = (t - self._last_token_at) / n

@@ -43,6 +43,11 @@ class WorkerPool:
         self._waiters = 0
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def registry(self) -> Registry:
+        """The registry this view reads (frontends' announcements are there too)."""
+        return self._registry
+
     async def start(self) -> None:
         """Load the registry once, then keep refreshing it."""
         try:

@@ -84,11 +84,11 @@ class Heartbeat:
             return  # a heartbeat now would register a worker that can no longer serve
         status = self.status()
         self._metrics.observe(self._engine.stats(), self._inflight())
-        for reader in self.readers:
-            await self._metrics.record_lag(reader)
         # Kept so leave() can wait for it: a publish still in flight would re-register us after we left.
         self._publishing = asyncio.ensure_future(self._registry.publish(status, self.ttl_s))
         await asyncio.shield(self._publishing)
+        for reader in self.readers:
+            await self._metrics.record_lag(reader)
 
     async def run(self) -> None:
         """Heartbeat every interval, forever; Redis outages are logged once and retried."""

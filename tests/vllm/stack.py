@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import psutil
 import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.registry import Registry
 from launch.services import Child
@@ -141,12 +142,12 @@ class VllmStack:
             return (await c.get(st.metrics_url)).text
 
     async def metrics(self, worker_id: str) -> dict[str, float]:
-        """The worker's /metrics samples without labels, by name."""
+        """The worker's /metrics samples without labels but its `model` and `worker`, by name."""
         out: dict[str, float] = {}
-        for line in (await self._metrics_text(worker_id)).splitlines():
-            if line and not line.startswith("#") and "{" not in line:
-                name, _, value = line.partition(" ")
-                out[name] = float(value)
+        for family in text_string_to_metric_families(await self._metrics_text(worker_id)):
+            for sample in family.samples:
+                if set(sample.labels) <= {"model", "worker"}:
+                    out[sample.name] = sample.value
         return out
 
     async def wait_metrics(
