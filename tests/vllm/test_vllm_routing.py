@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from schemas.settings import DEFAULT_MODEL_NAME as MODEL
 from tests.vllm.stack import VllmStack
@@ -41,3 +42,9 @@ async def test_shared_prefix_follows_the_cache(vllm_stack: VllmStack) -> None:
     m = await stack.metrics(holder)
     assert m["ferry_worker_prefix_cache_hits_total"] >= 256
     assert m["ferry_worker_prefix_cache_queries_total"] > m["ferry_worker_prefix_cache_hits_total"]
+    # vLLM's own families are served beside Ferry's, as vLLM's server would (dashboards for vLLM read them).
+    vllm = {s.name: s.value for f in text_string_to_metric_families(await stack.metrics_text(holder))
+            for s in f.samples if s.name.startswith("vllm:")}  # fmt: skip
+    assert vllm["vllm:request_success_total"] >= 2
+    assert vllm["vllm:prefix_cache_hits_total"] >= 256
+    assert vllm["vllm:e2e_request_latency_seconds_count"] >= 2
