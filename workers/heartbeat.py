@@ -49,6 +49,7 @@ class Heartbeat:
         self._redis_ok = True
         # Kafka readers whose consumer lag is recorded with every heartbeat (set by the worker).
         self.readers: list[Reader[Any]] = []
+        self._lag: asyncio.Task[None] | None = None
 
     @property
     def ttl_s(self) -> float:
@@ -87,6 +88,11 @@ class Heartbeat:
         # Kept so leave() can wait for it: a publish still in flight would re-register us after we left.
         self._publishing = asyncio.ensure_future(self._registry.publish(status, self.ttl_s))
         await asyncio.shield(self._publishing)
+        # Off the heartbeat's path: reading positions can wait on a partition being reset.
+        if self._lag is None or self._lag.done():
+            self._lag = asyncio.create_task(self._record_lag(), name="consumer-lag")
+
+    async def _record_lag(self) -> None:
         for reader in self.readers:
             await self._metrics.record_lag(reader)
 
@@ -115,6 +121,8 @@ class Heartbeat:
     async def leave(self) -> None:
         """Leave the registry and clear this worker's KV index entries (shielded; the TTL is the fallback)."""
         self.stopped = True
+        if self._lag is not None:
+            self._lag.cancel()
         if self._publishing is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._publishing)
