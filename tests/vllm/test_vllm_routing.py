@@ -43,8 +43,11 @@ async def test_shared_prefix_follows_the_cache(vllm_stack: VllmStack) -> None:
     assert m["ferry_worker_prefix_cache_hits_total"] >= 256
     assert m["ferry_worker_prefix_cache_queries_total"] > m["ferry_worker_prefix_cache_hits_total"]
     # vLLM's own families are served beside Ferry's, as vLLM's server would (dashboards for vLLM read them).
-    vllm = {s.name: s.value for f in text_string_to_metric_families(await stack.metrics_text(holder))
-            for s in f.samples if s.name.startswith("vllm:")}  # fmt: skip
+    vllm: dict[str, float] = {}
+    for f in text_string_to_metric_families(await stack.metrics_text(holder)):
+        for sample in f.samples:
+            if sample.name.startswith("vllm:"):  # summed over labels (finished_reason, engine)
+                vllm[sample.name] = vllm.get(sample.name, 0.0) + sample.value
     assert vllm["vllm:request_success_total"] >= 2
     assert vllm["vllm:prefix_cache_hits_total"] >= 256
     assert vllm["vllm:e2e_request_latency_seconds_count"] >= 2
