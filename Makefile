@@ -9,7 +9,7 @@ LOG    := $(VENV)/install.log
 FERRY  := $(VENV)/bin/ferry
 MODEL_STAMP := $(VENV)/.ferry-model
 
-.PHONY: run test lint setup model clean bench-setup bench-overhead
+.PHONY: run test lint setup model prometheus clean bench-setup bench-overhead
 
 # The real model through the whole system: one vLLM worker on the CPU (block size: a multiple of 32). Its own
 # chat template cannot show tools, so it gets the hermes one Ferry ships (and the parser of that format).
@@ -17,7 +17,7 @@ run: setup
 	$(FERRY) model prepare
 	$(FERRY) up --engine vllm --block-size 32 --workers 1 --chat-template hermes --tool-call-parser hermes $(ARGS)
 
-test: model
+test: model prometheus
 	@$(VENV)/bin/ruff check --quiet .
 	@$(VENV)/bin/mypy --no-error-summary schemas kvstore bus workers server planner launch tests bench
 	@$(PY) -m pytest $(PYTEST_ARGS)
@@ -49,6 +49,20 @@ $(STAMP): pyproject.toml | $(PY)
 $(MODEL_STAMP): $(STAMP)
 	@$(FERRY) model prepare --quiet
 	@touch $@
+
+# Prometheus for `ferry up --monitor` and the rule tests: Debian's package unpacked into the venv, no root
+# needed (`apt-get download` + `dpkg-deb -x`). Where apt has no package lists yet (a fresh machine), root
+# reads them first with `apt-get update`; without root and without lists the step says so and stops.
+PROMETHEUS := $(VENV)/prometheus/usr/bin/prometheus
+prometheus: $(PROMETHEUS)
+
+$(PROMETHEUS):
+	@tmp=$$(mktemp -d) && trap 'rm -rf $$tmp' EXIT && cd $$tmp \
+	  && { apt-get download prometheus >/dev/null 2>&1 \
+	       || { [ "$$(id -u)" = 0 ] && apt-get update -qq >/dev/null && apt-get download prometheus >/dev/null 2>&1 ; } \
+	       || { echo "could not download Debian's prometheus package (apt-get update needs root once)"; exit 1; } ; } \
+	  && dpkg-deb -x prometheus_*.deb $(abspath $(VENV))/prometheus
+	@$(PROMETHEUS) --version | head -n 1
 
 # Benchmarks draw plots and can profile: their extra is installed only when asked for.
 BENCH_STAMP := $(VENV)/.ferry-bench

@@ -23,7 +23,7 @@ from aiokafka.errors import KafkaError, OffsetOutOfRangeError
 
 from bus.commits import commit_within, rewind_to_committed
 from bus.consumer import stop_consumer
-from bus.log_watch import FetchWaitAdjuster, LogResetWatch
+from bus.log_watch import FetchWaitAdjuster, LogResetWatch, positions_and_ends
 from bus.topics import ensure_topics
 
 log = logging.getLogger("ferry.kafka")
@@ -258,6 +258,24 @@ class Reader(Generic[T]):
         """The consumer, for hooks that pause, resume or look at assignments and positions."""
         assert self._consumer is not None, "open() first"
         return self._consumer
+
+    @property
+    def group(self) -> str:
+        """The consumer group, or "" for a reader that assigns its partitions itself."""
+        return self._options.group_id or ""
+
+    async def lag(self) -> dict[str, int]:
+        """Records not read yet per topic, over the assigned partitions (high watermarks of the latest fetches)."""
+        if self._consumer is None:
+            return {}
+        out: dict[str, int] = {}
+        try:
+            ends = await positions_and_ends(self._consumer)
+        except (AssertionError, KafkaError):
+            return {}  # a rebalance took a partition away meanwhile: the next reading has it right
+        for tp, position, end in ends:
+            out[tp.topic] = out.get(tp.topic, 0) + max(end - position, 0)
+        return out
 
     # ---- for hooks ---------------------------------------------------------------------------------
 

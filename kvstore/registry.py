@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import uuid
 from dataclasses import dataclass
 
@@ -9,7 +10,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from schemas.names import RedisKeys
-from schemas.status import WorkerStatus, status_decoder, status_encoder
+from schemas.status import FrontendStatus, WorkerStatus, frontend_decoder, status_decoder, status_encoder
 
 # One round trip for the whole view: read every registered worker's status and reap the ids whose
 # status key has expired, returning both so the caller can sweep a dead worker's KV index entries. The
@@ -33,6 +34,31 @@ return {live, dead, redis.call('GET', KEYS[2])}
 """
 
 
+# The same sweep for frontends' announcements: live ones, reaping ids whose key expired.
+_LIST_FRONTENDS = """
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local v = redis.call('GET', ARGV[1] .. id)
+  if v then table.insert(out, v) else redis.call('SREM', KEYS[1], id) end
+end
+return out
+"""
+
+_WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
+def reachable_host(bind_host: str) -> str:
+    """The host others reach a server bound to `bind_host` at: a wildcard bind names this machine's address."""
+    host = bind_host
+    if bind_host in _WILDCARDS:
+        name = socket.gethostname()
+        try:
+            host = socket.gethostbyname(name)
+        except OSError:
+            host = name
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 @dataclass(frozen=True)
 class RegistryView:
     """One read of the registry."""
@@ -51,6 +77,7 @@ class Registry:
         self._redis = client
         self._keys = keys
         self._list_live = client.register_script(_LIST_LIVE)
+        self._list_frontends = client.register_script(_LIST_FRONTENDS)
 
     async def publish(self, status: WorkerStatus, ttl_s: float) -> None:
         """Write one heartbeat; the status disappears after `ttl_s` without another."""
@@ -86,3 +113,28 @@ class Registry:
         """Live workers, and the ids found dead (and reaped) by this call."""
         v = await self.view()
         return v.live, v.dead
+
+    async def announce_frontend(self, status: FrontendStatus, ttl_s: float) -> None:
+        """Write a frontend's announcement; it disappears after `ttl_s` without another."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(self._keys.frontend(status.frontend_id), status_encoder.encode(status), px=int(ttl_s * 1000))
+            pipe.sadd(self._keys.frontend_members(), status.frontend_id)
+            await pipe.execute()
+
+    async def withdraw_frontend(self, frontend_id: str) -> None:
+        """Remove a frontend's announcement at once (clean exit)."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._keys.frontend(frontend_id))
+            pipe.srem(self._keys.frontend_members(), frontend_id)
+            await pipe.execute()
+
+    async def frontends(self) -> list[FrontendStatus]:
+        """Every live frontend's announcement (expired ids are reaped)."""
+        raw = await self._list_frontends(keys=[self._keys.frontend_members()], args=[self._keys.frontend("")])
+        out: list[FrontendStatus] = []
+        for item in raw:
+            try:
+                out.append(frontend_decoder.decode(item))
+            except msgspec.DecodeError:
+                continue
+        return out

@@ -15,6 +15,7 @@ from typing import Any
 
 from launch.autoscale import LocalPlanner, LocalWorkers, start_planner
 from launch.flags import ENGINE_EPILOG, EPILOG, add_flags, from_namespace, given, split_engine_flags, to_argv
+from launch.monitor import Monitor, start_monitor
 from launch.services import Child, free_port, start_broker, start_redis
 from schemas.settings import FrontendSettings, PlannerPolicySettings, StackSettings, WorkerSettings
 
@@ -110,7 +111,9 @@ class Started:
     redis: str
 
 
-async def _start(stack: Stack, services: list[Child], workers: list[Child], fronts: list[Child]) -> Started:
+async def _start(
+    stack: Stack, services: list[Child | Monitor], workers: list[Child], fronts: list[Child]
+) -> Started:
     """Start services, workers and the frontend (recording each child as it starts)."""
     s, fe = stack.settings, stack.frontend
     kafka, redis = s.kafka, s.redis
@@ -134,6 +137,11 @@ async def _start(stack: Stack, services: list[Child], workers: list[Child], fron
     fronts.append(await Child.spawn("frontend", _frontend_argv(stack, kafka, redis, port)))
     await fronts[0].wait_for_line(lambda line: line.startswith("ferry-frontend-ready"), s.ready_timeout_s)
     url = f"http://{fe.host}:{port}"
+    monitoring = ""
+    if s.monitor:
+        monitor = await start_monitor(f"{url}/discovery/prometheus")
+        services.append(monitor)
+        monitoring = f"Prometheus {monitor.url}  (targets: {url}/discovery/prometheus)\n"
     # The frontend inherits FERRY_API_KEYS / FERRY_ADMIN_KEY from this process's environment (variables,
     # not flags, so keys never show in `ps`) unless they were flags here; the example names the header
     # without printing a key.
@@ -143,7 +151,7 @@ async def _start(stack: Stack, services: list[Child], workers: list[Child], fron
     print(
         f"\nFerry is up: {url}  (model {fe.served_model_name}, {s.workers} {stack.worker.engine} worker(s)"
         f"{scaling})\n"
-        f"Kafka {kafka}  Redis {redis}  metrics {url}/metrics\n\n"
+        f"Kafka {kafka}  Redis {redis}  metrics {url}/metrics\n{monitoring}\n"
         f"  curl -N {url}/v1/chat/completions {auth}-H 'Content-Type: application/json' \\\n"
         f'    -d \'{{"model": "{fe.served_model_name}", "stream": true, '
         f'"messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}\'\n\n'
@@ -180,7 +188,7 @@ async def run_stack(stack: Stack) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    services: list[Child] = []
+    services: list[Child | Monitor] = []
     workers: list[Child] = []
     fronts: list[Child] = []
     stopping = asyncio.create_task(stop.wait())

@@ -127,6 +127,11 @@ class ChunkUsage(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    # Where the sequence's time went on its worker (seconds, worker clock): waiting in the engine's queue,
+    # scheduling to first token, first token to last. 0 from a worker that does not say.
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):

@@ -92,6 +92,14 @@ class RedisKeys:
         """Set of frontend ids that publish router load."""
         return f"{self.prefix}frontends"
 
+    def frontend_members(self) -> str:
+        """Set of frontend ids that have announced themselves (live or recently dead)."""
+        return f"{self.prefix}frontend-ids"
+
+    def frontend(self, frontend_id: str) -> str:
+        """Announcement of one frontend (its URLs); expires when it stops refreshing it."""
+        return f"{self.prefix}frontend:{frontend_id}"
+
     def load(self, frontend_id: str) -> str:
         """One frontend's in-flight load per worker (field = worker id); expires with the frontend."""
         return f"{self.prefix}load:{frontend_id}"

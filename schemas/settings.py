@@ -361,6 +361,10 @@ class StackSettings:
     redis: str = dataclasses.field(
         default="", metadata=_help("use this Redis instead of starting an embedded one")
     )
+    monitor: bool = dataclasses.field(
+        default=False,
+        metadata=_help("also start Prometheus (`make prometheus` installs it) scraping the stack through discovery"),
+    )
     ready_timeout_s: float = dataclasses.field(
         default=120.0, metadata=_help("give up if the stack is not ready within this many seconds")
     )

@@ -30,5 +30,16 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     heartbeat_interval_s: float = 0.0
 
 
+class FrontendStatus(msgspec.Struct, omit_defaults=True):
+    """A frontend's announcement in the registry: where to reach it (for Prometheus service discovery)."""
+
+    frontend_id: str
+    model: str
+    url: str
+    metrics_url: str
+    heartbeat_at: float
+
+
 status_encoder = msgspec.msgpack.Encoder()
 status_decoder: msgspec.msgpack.Decoder[WorkerStatus] = msgspec.msgpack.Decoder(WorkerStatus)
+frontend_decoder: msgspec.msgpack.Decoder[FrontendStatus] = msgspec.msgpack.Decoder(FrontendStatus)

@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.errors import APIError
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/discovery/prometheus", "/openapi.json"})
 ADMIN_PREFIX = "/v1/admin"
 # vLLM's own LoRA paths, served beside /v1/admin/* (server/vllm_routes.py): admin routes too.
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})

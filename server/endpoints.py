@@ -60,6 +60,7 @@ async def _remember(fe: Frontend, gen: Generation, kind: Kind, echo: bool) -> di
 async def _generate(kind: Kind, fe: Frontend, request: Request) -> Response:
     """POST of a new request: decode, prepare, route and submit; then stream it or answer it whole."""
     req = decode(kind.decoder, await read_body(request, fe.settings.max_body_bytes))
+    request.state.model = req.model
     max_len = fe.max_model_len(req.model)
     with fe.metrics.tokenize_seconds.time():
         prepared = await kind.prepare(fe.pre, req, max_len)
@@ -67,7 +68,7 @@ async def _generate(kind: Kind, fe: Frontend, request: Request) -> Response:
         log.info("%s prompt(s): %r", kind.name, prepared.prompt_texts)  # only when asked: prompts are private
     fe.metrics.prompt_tokens.inc(sum(len(p) for p in prepared.prompts))
     resumable = _wants_resumable(request) and prepared.stream
-    gen = Generation(fe.svc, req.model, prepared, new_id(kind.id_prefix), resumable=resumable)
+    gen = Generation(fe.svc, req.model, prepared, new_id(kind.id_prefix), resumable, request.state.arrived)
     await gen.start()
     echo = kind.echo(req)
     if prepared.stream:
@@ -76,6 +77,7 @@ async def _generate(kind: Kind, fe: Frontend, request: Request) -> Response:
     try:
         states = await until_disconnect(request, collect(gen))
     finally:
+        request.state.error_counted = gen.failed  # counted by the generation as it arrived
         await gen.close()
     spec = gen.spec
     done = Finished(gen.id, gen.created, gen.model, states, spec.logprobs, spec.prompt_lens, spec.n,

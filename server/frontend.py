@@ -16,10 +16,11 @@ from aiokafka import AIOKafkaProducer
 
 from kvstore.kv_index import KVIndex
 from kvstore.load import LoadBoard
-from kvstore.registry import Registry
+from kvstore.registry import Registry, reachable_host
 from kvstore.resume_store import ResumeStore
 from schemas.names import RedisKeys, admin_topic, reply_topic
 from schemas.settings import FrontendSettings
+from schemas.status import FrontendStatus
 from server.delivery import RequestLog
 from server.errors import APIError, model_not_found
 from server.generation import Services
@@ -154,11 +155,19 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
     )  # fmt: skip
     demux.on_reset = migrations.log_lost
 
+    registry = Registry(redis, keys)
+    base_url = f"http://{reachable_host(s.host)}:{s.port}"
+    me = FrontendStatus(s.frontend_id, s.served_model_name, base_url, f"{base_url}/metrics", time.time())
+
     async def exchange_load() -> None:
         router.remote = await board.exchange(s.frontend_id, router.local, 3 * s.heartbeat_interval_s)
+        # Announced with every refresh, so Prometheus service discovery lists exactly the live frontends.
+        me.heartbeat_at = time.time()
+        await registry.announce_frontend(me, 3 * s.heartbeat_interval_s)
+        await metrics.record_lag(demux.reader)
 
     pool = WorkerPool(
-        Registry(redis, keys), s.heartbeat_interval_s / 2, metrics, migrations.worker_gone, exchange_load,
+        registry, s.heartbeat_interval_s / 2, metrics, migrations.worker_gone, exchange_load,
         s.max_queued_requests, heartbeat_s=s.heartbeat_interval_s,
     )  # fmt: skip
     requests = RequestLog(s.kafka)
@@ -181,6 +190,8 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
         stack.push_async_callback(_timed, "reply consumer", demux.stop)
         stack.push_async_callback(_timed, "request log reader", requests.stop)
         await requests.start()
+        # Withdrawn after the view stops refreshing (which would announce it again).
+        stack.push_async_callback(_timed, "frontend announcement", lambda: registry.withdraw_frontend(s.frontend_id))
         await pool.start()
         stack.push_async_callback(_timed, "worker registry view", pool.stop)
         await acks.start()

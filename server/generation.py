@@ -66,7 +66,13 @@ class Generation:
     """
 
     def __init__(
-        self, svc: Services, model: str, prepared: Prepared, request_id: str, resumable: bool = False
+        self,
+        svc: Services,
+        model: str,
+        prepared: Prepared,
+        request_id: str,
+        resumable: bool = False,
+        arrived: float | None = None,
     ) -> None:
         self.svc = svc
         self.model = model
@@ -76,7 +82,9 @@ class Generation:
         self.mover = Mover(self, svc)
         self.stream = ClientStream(request_id, on_lost=self.mover.lost)
         self.created = int(time.time())
-        self.started_at = time.perf_counter()
+        # When the request arrived (perf_counter): what TTFT and end-to-end latency count from.
+        self.started_at = time.perf_counter() if arrived is None else arrived
+        self._m = svc.metrics.for_model(model)  # bound once: observed per token
         self.first_token_at: float | None = None
         self._last_token_at = 0.0
         self.predicted_cached_blocks = 0
@@ -123,11 +131,13 @@ class Generation:
             for pi, ids in enumerate(p.prompts):
                 memo = PromptMemo(ids, max_tokens=p.max_tokens)
                 for c in range(p.n):
+                    t0 = time.perf_counter()
                     decision = await self.choose(memo)
                     router.started(decision)
                     rid = f"{self.id}.{pi * p.n + c}"
                     self.predicted_cached_blocks += decision.predicted_cached_blocks
-                    self.stream.sequences[rid] = Sequence(rid, pi * p.n + c, pi, decision, len(ids))
+                    self.stream.sequences[rid] = Sequence(rid, pi * p.n + c, pi, decision, len(ids),
+                                                          wait_s=time.perf_counter() - t0)  # fmt: skip
                     self._submitted.append(self.stream.sequences[rid])
         except BaseException:
             for seq in self._submitted:
@@ -145,6 +155,11 @@ class Generation:
             self.resumable = False
             await self.close()
             raise
+
+    @property
+    def failed(self) -> bool:
+        """A sequence ended with an error (counted in the error metric when it arrived)."""
+        return self._failed
 
     @property
     def closed(self) -> bool:
@@ -215,20 +230,15 @@ class Generation:
             now = time.monotonic()
             if batch:
                 idle_since = now
-                if any(c.token_ids or c.text for _, c in batch):
-                    t = time.perf_counter()
-                    if self.first_token_at is None:
-                        self.first_token_at = t
-                        self.svc.metrics.ttft.observe(t - self.started_at)
-                    else:
-                        # Gap between deliveries of new tokens to this request (merged deltas count once).
-                        self.svc.metrics.itl.observe(t - self._last_token_at)
-                    self._last_token_at = t
+                self._observe_tokens(batch)
                 for seq, chunk in batch:
                     if chunk.token_ids and not seq.decision.prefilled:
                         self.svc.router.prefilled(seq.decision)
                     if chunk.error is not None:
                         self._failed = True
+                        self.svc.metrics.errors.labels(self.model, chunk.error.code, "stream").inc()
+                    if chunk.usage is not None:
+                        self._observe_usage(seq, chunk)
                     if chunk.finish_reason is not None:
                         self._release(seq)
             elif now - idle_since > self.svc.request_timeout_s:
@@ -237,6 +247,39 @@ class Generation:
                     self.fail(seq, f"no progress from worker {seq.worker_id} for {wait:.0f}s", "timeout")
                 continue
             yield batch
+
+    def _observe_tokens(self, batch: list[tuple[Sequence, Chunk]]) -> None:
+        """TTFT on the first delivery with output; after it, inter-token latency once per token."""
+        n = 0
+        for _, c in batch:
+            if c.token_ids or c.text:
+                n += max(len(c.token_ids), 1)
+        if not n:
+            return
+        t = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = t
+            self._m.ttft.observe(t - self.started_at)
+            n -= 1  # the first token has no gap before it; any others delivered with it, none either
+            self._last_token_at = t
+        if n:
+            # k tokens delivered together after a gap g: each token took g/k (merged deltas stay counted).
+            gap = (t - self._last_token_at) / n
+            for _ in range(n):
+                self._m.itl.observe(gap)
+        self._last_token_at = t
+
+    def _observe_usage(self, seq: Sequence, chunk: Chunk) -> None:
+        """A sequence's final figures: queue (frontend wait + engine queue), prefill, decode, lengths."""
+        u = chunk.usage
+        assert u is not None
+        m = self._m
+        if chunk.error is None and chunk.finish_reason != "abort":
+            m.queue.observe(seq.wait_s + u.queue_s)
+            m.prefill.observe(u.prefill_s)
+            m.decode.observe(u.decode_s)
+        m.prompt_len.observe(u.prompt_tokens)
+        m.completion_len.observe(u.completion_tokens)
 
     def _release(self, seq: Sequence) -> None:
         if seq in self._submitted:
@@ -284,6 +327,9 @@ class Generation:
             task.add_done_callback(self.svc.detached.discard)
             return
         self._closed = True
+        if self.stream.finished and not self._failed:
+            # At the end of the response: a stream's last event has been sent by now.
+            self._m.e2e.observe(time.perf_counter() - self.started_at)
         for t in list(self._tasks):
             t.cancel()
         self.svc.demux.unregister(self.stream)

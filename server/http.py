@@ -126,8 +126,10 @@ def route(endpoint: str, admit: bool = False) -> Callable[[Handler], Callable[[R
             fe: Frontend = request.app.state.frontend
             gate: Gate = request.app.state.gate
             gate.enter()
-            t0 = time.perf_counter()
+            # Latency counts from here (server/generation.py observes it when the response ends).
+            request.state.arrived = time.perf_counter()
             status = 500
+            code = "internal_error"
             held = False
             try:
                 if admit:
@@ -140,17 +142,17 @@ def route(endpoint: str, admit: bool = False) -> Callable[[Handler], Callable[[R
                     return _HeldInFlight(response, gate)  # type: ignore[return-value]
                 return response
             except APIError as err:
-                status = err.status
+                status, code = err.status, err.code or str(err.status)
                 return err.response()
             except ClientDisconnect:
-                status = 499
+                status, code = 499, "client_disconnected"
                 return Response(status_code=499)
             finally:
                 if not held:
                     gate.leave()
                 fe.metrics.requests.labels(endpoint, str(status)).inc()
-                if status == 200:
-                    fe.metrics.e2e.observe(time.perf_counter() - t0)
+                if status >= 400 and not getattr(request.state, "error_counted", False):
+                    fe.metrics.errors.labels(getattr(request.state, "model", ""), code, "request").inc()
 
         return handle
 

@@ -188,6 +188,11 @@ class ReplyDemux:
         """Every replies topic being read (the current one last)."""
         return list(self._tails)
 
+    @property
+    def reader(self) -> Reader[Chunk]:
+        """The replies reader (for its consumer lag)."""
+        return self._reader
+
     async def start(self) -> None:
         """Create the topic and position at its end before any request can be sent."""
         await self._reader.open(Tail(self._base))

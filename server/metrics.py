@@ -1,11 +1,36 @@
-"""Prometheus metrics of a frontend process."""
+"""Prometheus metrics of a frontend process.
+
+Per-token observations are the hot path: a request binds its model's labelled children once
+(`for_model`) and observes on them, never looking labels up per token.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from bus.reader import Reader
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+_LENGTH_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+@dataclass(frozen=True)
+class ModelMetrics:
+    """The children of one model's request metrics, bound once and shared by its requests."""
+
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    queue: Histogram
+    prefill: Histogram
+    decode: Histogram
+    prompt_len: Histogram
+    completion_len: Histogram
 
 
 class FrontendMetrics:
@@ -14,23 +39,64 @@ class FrontendMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self._models: dict[str, ModelMetrics] = {}
         self.requests = Counter(
             "ferry_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
         )
+        self.errors = Counter(
+            "ferry_request_errors",
+            "Failed requests by model and error type; stage=request before the response started, stream inside it",
+            ["model", "type", "stage"],
+            registry=r,
+        )
         self.inflight = Gauge("ferry_requests_inflight", "Client requests in progress", registry=r)
         self.ttft = Histogram(
-            "ferry_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
-        )
+            "ferry_time_to_first_token_seconds", "Request arrival to first token", ["model"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.itl = Histogram(
-            "ferry_inter_token_latency_seconds", "Time between streamed deltas", buckets=_FAST_BUCKETS, registry=r
-        )
+            "ferry_inter_token_latency_seconds",
+            "Time between tokens, one observation per token after the first (a delivery of k tokens after a "
+            "gap g counts k times g/k)",
+            ["model"], buckets=_ITL_BUCKETS, registry=r,
+        )  # fmt: skip
         self.e2e = Histogram(
-            "ferry_request_duration_seconds", "Whole request duration", buckets=_LATENCY_BUCKETS, registry=r
-        )
+            "ferry_request_duration_seconds",
+            "Request arrival to the end of its response (the last SSE event of a stream); successful requests",
+            ["model"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queue = Histogram(
+            "ferry_request_queue_seconds",
+            "Per sequence: waiting in the frontend for a worker plus waiting in the engine's queue",
+            ["model"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prefill = Histogram(
+            "ferry_request_prefill_seconds", "Per sequence: engine scheduling to first token (worker-measured)",
+            ["model"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.decode = Histogram(
+            "ferry_request_decode_seconds", "Per sequence: first token to last token (worker-measured)",
+            ["model"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prompt_len = Histogram(
+            "ferry_request_prompt_tokens", "Per sequence: prompt length in tokens", ["model"],
+            buckets=_LENGTH_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.completion_len = Histogram(
+            "ferry_request_completion_tokens", "Per sequence: completion length in tokens", ["model"],
+            buckets=_LENGTH_BUCKETS, registry=r,
+        )  # fmt: skip
         self.prompt_tokens = Counter("ferry_prompt_tokens", "Prompt tokens", registry=r)
         self.completion_tokens = Counter("ferry_completion_tokens", "Completion tokens", registry=r)
         self.cached_tokens = Counter(
             "ferry_cached_prompt_tokens", "Prompt tokens the workers reported as cached", registry=r
+        )
+        self.migrations = Counter(
+            "ferry_migrations",
+            "Sequence moves to another worker: reason (worker_died, log_lost, chunk_lost, request_lost) and "
+            "outcome (moved: the new attempt was sent; failed: the sequence ended with an error instead)",
+            ["reason", "outcome"],
+            registry=r,
         )
         self.router_decisions = Counter(
             "ferry_router_decisions", "Sequences routed, by policy and worker", ["policy", "worker"], registry=r
@@ -39,6 +105,10 @@ class FrontendMetrics:
             "ferry_kafka_produce_seconds", "Produce-to-ack latency of requests", buckets=_FAST_BUCKETS, registry=r
         )
         self.kafka_errors = Counter("ferry_kafka_errors", "Produces that failed", registry=r)
+        self.kafka_lag = Gauge(
+            "ferry_kafka_consumer_lag", "Records in a topic this process's consumer has not read yet",
+            ["topic", "group"], registry=r,
+        )  # fmt: skip
         self.redis_seconds = Histogram(
             "ferry_redis_seconds", "Redis round trips", ["op"], buckets=_FAST_BUCKETS, registry=r
         )
@@ -46,6 +116,9 @@ class FrontendMetrics:
         self.redis_up = Gauge("ferry_redis_up", "1 while Redis answers", registry=r)
         self.redis_up.set(1)
         self.live_workers = Gauge("ferry_live_workers", "Workers in the registry", registry=r)
+        self.queue_depth = Gauge(
+            "ferry_router_queue_depth", "Requests waiting in the frontend because every worker is busy", registry=r
+        )
         self.reply_topic_rolls = Counter(
             "ferry_reply_topic_rolls", "Times the frontend started a fresh replies topic", registry=r
         )
@@ -77,3 +150,20 @@ class FrontendMetrics:
         self.tokenize_seconds = Histogram(
             "ferry_tokenize_seconds", "Chat templating and tokenization", buckets=_FAST_BUCKETS, registry=r
         )
+
+    def for_model(self, model: str) -> ModelMetrics:
+        """The request metrics of `model`, bound once per model."""
+        m = self._models.get(model)
+        if m is None:
+            m = self._models[model] = ModelMetrics(
+                ttft=self.ttft.labels(model), itl=self.itl.labels(model), e2e=self.e2e.labels(model),
+                queue=self.queue.labels(model), prefill=self.prefill.labels(model),
+                decode=self.decode.labels(model), prompt_len=self.prompt_len.labels(model),
+                completion_len=self.completion_len.labels(model),
+            )  # fmt: skip
+        return m
+
+    async def record_lag(self, reader: Reader[Any]) -> None:
+        """Set the consumer lag of `reader`'s topics."""
+        for topic, lag in (await reader.lag()).items():
+            self.kafka_lag.labels(topic, reader.group).set(lag)

@@ -210,7 +210,13 @@ class Mover:
             seq.progressed.set()
             return
         transition(seq, MoveState.MOVING)
+        seq.move_reason = why.name.lower()
         self._req.own(self._migrate(seq), f"migrate-{seq.request_id}")
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """The move failed: the sequence ends with an error (counted as the move's outcome)."""
+        self._svc.metrics.migrations.labels(seq.move_reason, "failed").inc()
+        self._req.fail(seq, message)
 
     def watch(self, seq: Sequence, request: GenerateRequest, offset: int) -> None:
         """Send a first attempt again if it gets no answer and the broker no longer holds its request."""
@@ -241,14 +247,14 @@ class Mover:
             raise
         except Exception as exc:
             log.exception("migrating %s failed", seq.request_id)
-            self._req.fail(seq, f"could not move the sequence: {exc!r}")
+            self._fail(seq, f"could not move the sequence: {exc!r}")
         finally:
             transition(seq, MoveState.IN_PLACE)
 
     def _stalled(self, seq: Sequence, what: str) -> None:
         """A move went wrong (its marker or request lost): move again, a few times; then give up."""
         if seq.stalls == MOVE_STALLS:
-            self._req.fail(seq, f"moving the sequence failed: {what}, {MOVE_STALLS + 1} times")
+            self._fail(seq, f"moving the sequence failed: {what}, {MOVE_STALLS + 1} times")
             return
         seq.stalls += 1
         log.warning("%s: %s; moving it again", seq.request_id, what)
@@ -315,7 +321,7 @@ class Mover:
         # A move abandoned before its request went out leaves the worker that really runs the sequence here.
         old = seq.moved_from or seq.decision.worker_id
         if seq.moves > svc.migration_limit:
-            req.fail(
+            self._fail(
                 seq,
                 f"worker {old} stopped responding; the sequence already moved {seq.moves - 1} time(s) "
                 f"(migration limit {svc.migration_limit})",
@@ -357,8 +363,9 @@ class Mover:
                 lambda: svc.dispatcher.submit(decision.worker_id, request, cancel_on_timeout=False)
             )
         except APIError as exc:
-            req.fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc.message}")
+            self._fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc.message}")
             return None
+        svc.metrics.migrations.labels(seq.move_reason, "moved").inc()
         return request
 
     async def _reroute(self, seq: Sequence, old: str) -> Decision | None:
@@ -373,7 +380,7 @@ class Mover:
             except APIError as exc:
                 remaining = give_up - time.monotonic()
                 if exc.code != "no_workers" or remaining <= 0:
-                    self._req.fail(
+                    self._fail(
                         seq, f"worker {old} stopped responding and no other worker can take over: {exc.message}"
                     )
                     return None
@@ -392,7 +399,7 @@ class Mover:
                 lambda: self._svc.dispatcher.note(req.reply_topic, marker(seq.request_id, target, seq.worker_id))
             )
         except APIError as exc:
-            req.fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc!r}")
+            self._fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc!r}")
             return False
         try:
             async with asyncio.timeout(MOVE_STALL_S):

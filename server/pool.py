@@ -43,6 +43,11 @@ class WorkerPool:
         self._waiters = 0
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def registry(self) -> Registry:
+        """The registry this view reads (frontends' announcements are there too)."""
+        return self._registry
+
     async def start(self) -> None:
         """Load the registry once, then keep refreshing it."""
         try:
@@ -93,11 +98,13 @@ class WorkerPool:
         if self._waiters >= self._max_waiters:
             return False
         self._waiters += 1
+        self._metrics.queue_depth.set(self._waiters)
         return True
 
     def leave_wait(self) -> None:
         """Give the place back."""
         self._waiters -= 1
+        self._metrics.queue_depth.set(self._waiters)
 
     async def wait_refreshed(self, timeout_s: float) -> None:
         """Wait for the next registry refresh (fresh load and busy flags), at most `timeout_s`."""

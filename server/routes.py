@@ -10,6 +10,7 @@ from starlette.routing import Route
 from schemas.admin import LoraAdapterList, load_lora_decoder, unload_lora_decoder
 from schemas.openai import ModelCard, ModelList
 from server import engine_admin, vllm_routes
+from server.discovery import prometheus_targets
 from server.errors import APIError
 from server.frontend import Frontend
 from server.http import decode, json_response, read_body, route
@@ -87,6 +88,7 @@ def routes() -> list[Route]:
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/discovery/prometheus", route("discovery")(prometheus_targets), methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
         Route("/v1/admin/load_lora_adapter", route("admin")(load_lora_adapter), methods=["POST"]),
         Route("/v1/admin/unload_lora_adapter", route("admin")(unload_lora_adapter), methods=["POST"]),

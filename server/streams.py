@@ -68,6 +68,8 @@ class Sequence:
     moved_from: str = ""
     stalls: int = 0  # moves made again because the broker lost their marker or request
     move: MoveState = MoveState.IN_PLACE  # changed only through server/migration.py's transitions
+    move_reason: str = "worker_died"  # the Loss (lower-case name) that started the move under way
+    wait_s: float = 0.0  # spent in the frontend before it was sent: routing and waiting for a non-busy worker
 
     @property
     def worker_id(self) -> str:

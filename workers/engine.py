@@ -23,6 +23,9 @@ class EngineOutput(msgspec.Struct):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] = []
+    # Seconds the sequence waited in the engine's queue before it was first scheduled; on the first
+    # output, 0 if the engine does not know.
+    queued_s: float = 0.0
 
 
 class EngineStats(msgspec.Struct):

@@ -7,7 +7,9 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
+from bus.reader import Reader
 from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
 from schemas.settings import WorkerSettings
@@ -47,6 +49,9 @@ class Heartbeat:
         self.stopped = False  # left, or failed: no heartbeat may register us again
         self._publishing: asyncio.Future[None] | None = None
         self._redis_ok = True
+        # Kafka readers whose consumer lag is recorded with every heartbeat (set by the worker).
+        self.readers: list[Reader[Any]] = []
+        self._lag: asyncio.Task[None] | None = None
 
     @property
     def ttl_s(self) -> float:
@@ -87,6 +92,13 @@ class Heartbeat:
         # Kept so leave() can wait for it: a publish still in flight would re-register us after we left.
         self._publishing = asyncio.ensure_future(self._registry.publish(status, self.ttl_s))
         await asyncio.shield(self._publishing)
+        # Off the heartbeat's path: reading positions can wait on a partition being reset.
+        if self._lag is None or self._lag.done():
+            self._lag = asyncio.create_task(self._record_lag(), name="consumer-lag")
+
+    async def _record_lag(self) -> None:
+        for reader in self.readers:
+            await self._metrics.record_lag(reader)
 
     async def run(self) -> None:
         """Heartbeat every interval, forever; Redis outages are logged once and retried."""
@@ -113,6 +125,8 @@ class Heartbeat:
     async def leave(self) -> None:
         """Leave the registry and clear this worker's KV index entries (shielded; the TTL is the fallback)."""
         self.stopped = True
+        if self._lag is not None:
+            self._lag.cancel()
         if self._publishing is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._publishing)

@@ -1,10 +1,55 @@
-"""Prometheus metrics of a worker process, recorded from engine stats once per heartbeat."""
+"""Prometheus metrics of a worker process, and the /metrics server that exposes them.
+
+Every family is kept unlabelled by model and worker in `registry` (nothing to look up on the hot path);
+the exposition adds `model` and `worker` to every sample at scrape time. With the vLLM engine, vLLM's own
+`vllm:*` families (its Prometheus stat logger, in this process's default registry or, under
+PROMETHEUS_MULTIPROC_DIR, its multiprocess files) are served beside them, so vLLM dashboards read workers too.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
 
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+
+from bus.reader import Reader
+from kvstore.registry import reachable_host
 from workers.engine import EngineStats
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _Labelled(Collector):
+    """Another registry's families with constant labels added to every sample."""
+
+    def __init__(self, source: CollectorRegistry, labels: dict[str, str]) -> None:
+        self._source = source
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        """Every family of the source, relabelled."""
+        for family in self._source.collect():
+            family.samples = [
+                Sample(s.name, {**self._labels, **s.labels}, s.value, s.timestamp, s.exemplar)
+                for s in family.samples
+            ]
+            yield family
+
+
+class _Process(Collector):
+    """This process's default registry: vLLM's families and the process/GC collectors."""
+
+    def collect(self) -> Iterable[Metric]:
+        """The default registry's families, or the multiprocess files when vLLM writes those."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return MultiProcessCollector(None).collect()
+        return REGISTRY.collect()
 
 
 class WorkerMetrics:
@@ -19,13 +64,33 @@ class WorkerMetrics:
         self.cached_tokens = Counter(
             "ferry_worker_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=r
         )
+        # vLLM's names and meaning (vllm:prefix_cache_queries / _hits), counted per sequence once scheduled.
+        self.prefix_queries = Counter(
+            "ferry_worker_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Counter(
+            "ferry_worker_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
+        )
+        self.queue_seconds = Histogram(
+            "ferry_worker_queue_seconds", "Per sequence: time in the engine's queue before first scheduled",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prefill_seconds = Histogram(
+            "ferry_worker_prefill_seconds", "Per sequence: first scheduled to first token",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.decode_seconds = Histogram(
+            "ferry_worker_decode_seconds", "Per sequence: first token to last token",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.running = Gauge("ferry_worker_engine_running", "Sequences the engine is running", registry=r)
         self.waiting = Gauge("ferry_worker_engine_waiting", "Sequences waiting in the engine", registry=r)
         self.kv_usage = Gauge("ferry_worker_kv_usage", "Fraction of KV blocks in use", registry=r)
-        self.prefix_hit_rate = Gauge(
-            "ferry_worker_prefix_hit_rate", "Cached prompt tokens / prompt tokens", registry=r
-        )
         self.inflight = Gauge("ferry_worker_inflight", "Requests being served", registry=r)
+        self.kafka_lag = Gauge(
+            "ferry_kafka_consumer_lag", "Records in a topic this process's consumer has not read yet",
+            ["topic", "group"], registry=r,
+        )  # fmt: skip
         self.kafka_send_errors = Counter(
             "ferry_worker_kafka_send_errors", "Reply chunks Kafka failed to take", registry=r
         )
@@ -45,10 +110,21 @@ class WorkerMetrics:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_usage.set(stats.kv_usage)
-        self.prefix_hit_rate.set(stats.prefix_hit_rate)
         self.inflight.set(inflight)
 
-    def serve(self, host: str, port: int) -> str:
-        """Serve /metrics in a background thread; return its URL."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return f"http://{host}:{server.server_port}/metrics"
+    async def record_lag(self, reader: Reader[Any]) -> None:
+        """Set the consumer lag of `reader`'s topics."""
+        for topic, lag in (await reader.lag()).items():
+            self.kafka_lag.labels(topic, reader.group).set(lag)
+
+    def exposition(self, model: str, worker: str) -> CollectorRegistry:
+        """What /metrics serves: these families labelled with `model` and `worker`, and the process's own."""
+        out = CollectorRegistry(auto_describe=False)
+        out.register(_Labelled(self.registry, {"model": model, "worker": worker}))
+        out.register(_Process())
+        return out
+
+    def serve(self, host: str, port: int, model: str, worker: str) -> str:
+        """Serve /metrics in a background thread; return the URL others reach it at (for the registry)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.exposition(model, worker))
+        return f"http://{reachable_host(host)}:{server.server_port}/metrics"

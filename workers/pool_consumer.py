@@ -21,7 +21,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -190,6 +190,11 @@ class PoolConsumer:
         self.joined = asyncio.Event()  # set once the group gave this worker its partitions
 
     # ---- lifecycle -------------------------------------------------------------------------------
+
+    @property
+    def reader(self) -> Reader[Any]:
+        """The pool topic's reader (for its consumer lag)."""
+        return self._reader
 
     async def start(self) -> None:
         """Join the group (the topic is created by whoever needs it first)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, FinishReason, GenerateRequest
@@ -136,6 +137,18 @@ class Serving:
         if not self._inflight:
             self.idle.set()
 
+    def _timing(self, started: float, first: float, queued: float) -> tuple[float, float, float]:
+        """(queue, prefill, decode) seconds of a sequence that ends now; observed unless it never produced."""
+        if not first:
+            return 0.0, 0.0, 0.0
+        now = time.monotonic()
+        prefill = max(first - started - queued, 0.0)
+        m = self._metrics
+        m.queue_seconds.observe(queued)
+        m.prefill_seconds.observe(prefill)
+        m.decode_seconds.observe(now - first)
+        return queued, prefill, now - first
+
     async def _serve(self, req: GenerateRequest) -> None:
         """Run one sequence and send every delta back as a Chunk."""
         wid, metrics = self._worker_id, self._metrics
@@ -143,6 +156,7 @@ class Serving:
         seq = req.seq_base
         generated = len(req.generated_token_ids)
         metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        started, first, queued = time.monotonic(), 0.0, 0.0
         try:
             finished = aborted = reaborted = False
             me = asyncio.current_task()
@@ -154,11 +168,17 @@ class Serving:
                     reaborted = True
                     await self._engine.abort(req.request_id)
                 generated += len(out.token_ids)
+                if out.token_ids and not first:
+                    first, queued = time.monotonic(), out.queued_s
                 usage = None
                 if out.finish_reason is not None:
                     finished = True
                     aborted = out.finish_reason == "abort"
-                    usage = ChunkUsage(out.prompt_tokens or len(req.prompt_token_ids), generated, out.cached_tokens)
+                    prompt = out.prompt_tokens or len(req.prompt_token_ids)
+                    usage = ChunkUsage(prompt, generated, out.cached_tokens, *self._timing(started, first, queued))
+                    if first:  # scheduled: its prompt was looked up in the prefix cache
+                        metrics.prefix_queries.inc(prompt)
+                        metrics.prefix_hits.inc(out.cached_tokens)
                     metrics.cached_tokens.inc(out.cached_tokens)
                 metrics.generated_tokens.inc(len(out.token_ids))
                 await self._outbox.send(req, chunk_of(req, seq, out, wid, usage))

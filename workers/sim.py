@@ -94,6 +94,9 @@ class _Seq:
     generated: int = 0
     cached_tokens: int | None = None
     sent_first: bool = False
+    # When it was queued, and how long it waited until first scheduled (for the first output).
+    queued_at: float = 0.0
+    queued_s: float = 0.0
 
     @property
     def sort_key(self) -> tuple[int, int]:
@@ -203,6 +206,7 @@ class SimEngine(EngineLifecycle):
             ),
             stream_key=key,
             plan=plan,
+            queued_at=time.monotonic(),
         )
         self._seqs[request.request_id] = seq
         self._push_waiting(seq)
@@ -395,6 +399,7 @@ class SimEngine(EngineLifecycle):
             if seq.cached_tokens is None:
                 prompt_len = len(seq.request.prompt_token_ids)
                 seq.cached_tokens = min(computed, prompt_len)
+                seq.queued_s = time.monotonic() - seq.queued_at
                 self._prompt_tokens_seen += prompt_len
                 self._cached_tokens_seen += seq.cached_tokens
             work[seq.request.request_id] = (seq, n)
@@ -461,6 +466,7 @@ class SimEngine(EngineLifecycle):
             seq.sent_first = True
             out.prompt_tokens = len(request.prompt_token_ids)
             out.cached_tokens = seq.cached_tokens or 0
+            out.queued_s = seq.queued_s
         if finish is not None:
             self._finish(seq)
         seq.mailbox.put(out)

@@ -137,7 +137,8 @@ def engine_args(
         "max_num_seqs": cfg.max_num_seqs,
         "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "enable_prefix_caching": True,
-        # Only our recorder: vLLM's default loggers would print and register Prometheus metrics.
+        # No default loggers (they print every few seconds): the engine passes its own recorder and vLLM's
+        # Prometheus logger, which turn stats on anyway.
         "disable_log_stats": True,
         **_lora_args(cfg),
         "kv_events_config": KVEventsConfig(

@@ -36,7 +36,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.engine.output_processor import RequestOutputCollector
-from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 
 from schemas.kafka import GenerateRequest
 from schemas.kv_events import KVEventBatch
@@ -49,7 +49,7 @@ from workers.model_dir import ModelInfo, load_model_info
 from workers.vllm_config import VLLMConfig, engine_args
 from workers.vllm_kv_reader import VLLMKVReader
 from workers.vllm_lora import Adapters
-from workers.vllm_outputs import engine_output
+from workers.vllm_outputs import engine_output, queued_seconds
 from workers.vllm_params import logit_fields, refusal, structured_outputs
 from workers.vllm_stats import SchedulerStatsRecorder
 
@@ -155,7 +155,8 @@ class VLLMEngine(EngineLifecycle):
 
     def _build(self, args: AsyncEngineArgs) -> tuple[AsyncLLM, ModelInfo]:
         info = load_model_info(self.model_path)
-        llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._make_stats_recorder])
+        # vLLM's own Prometheus families (vllm:*) beside our recorder; workers/metrics.py serves them.
+        llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._make_stats_recorder, PrometheusStatLogger])
         return llm, info
 
     def _make_stats_recorder(self, vllm_config: VllmConfig, engine_index: int = 0) -> StatLoggerBase:
@@ -367,6 +368,7 @@ class VLLMEngine(EngineLifecycle):
             out.prompt_tokens = prompt_len
             # A migrated sequence prefills prompt + earlier output; only the prompt counts here.
             out.cached_tokens = min(output.num_cached_tokens or 0, prompt_len)
+            out.queued_s = queued_seconds(output)
         return out
 
     async def _discard(self, live: _Live) -> None:

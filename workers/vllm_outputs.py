@@ -72,3 +72,11 @@ def token_logprob(token: int, entry: Mapping[int, Logprob] | None, k: int) -> To
         logprob=sampled.logprob if sampled is not None else -math.inf,
         top=[(t, logprob) for _, t, logprob in ranked],
     )
+
+
+def queued_seconds(output: RequestOutput) -> float:
+    """How long vLLM kept the request in its waiting queue (its own request stats; 0 before scheduling)."""
+    stats = getattr(output, "metrics", None)
+    scheduled = getattr(stats, "scheduled_ts", 0.0)
+    queued = getattr(stats, "queued_ts", 0.0)
+    return max(scheduled - queued, 0.0) if scheduled and queued else 0.0

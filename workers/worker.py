@@ -81,7 +81,8 @@ class Worker:
     async def run(self, shutdown: asyncio.Event) -> int:
         """Serve until `shutdown` is set, then drain; the return value is the process exit code."""
         s = self.settings
-        self.heartbeat.metrics_url = self.metrics.serve(s.metrics_host, s.metrics_port)
+        self.heartbeat.metrics_url = self.metrics.serve(s.metrics_host, s.metrics_port, s.served_model_name, s.worker_id)
+        self.heartbeat.readers.append(self._inbox.reader)
         tasks: list[asyncio.Task[None]] = []
         try:
             # Inside the try: a start that fails (broker down) must still stop the engine and the clients.
@@ -95,6 +96,7 @@ class Worker:
                 self.pool = PoolConsumer(s, self, store, self.metrics.registry)
                 self._outbox.coalesce_with(self.pool.coalesce)  # batch sequences send their output once, whole
                 await self.pool.start()
+                self.heartbeat.readers.append(self.pool.reader)
             # A previous process under this id may have left index entries its cache no longer backs.
             await self._index.clear_worker(s.worker_id)
             # Register only once the inbox is positioned, so nothing routed to us can be missed.

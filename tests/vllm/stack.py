@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import psutil
 import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.registry import Registry
 from launch.services import Child
@@ -126,7 +127,7 @@ class VllmStack:
     async def diagnose(self, worker_id: str) -> str:
         """What a failed wait should show: the worker's request counters and the last lines it printed."""
         try:
-            text = await self._metrics_text(worker_id)
+            text = await self.metrics_text(worker_id)
             outcomes = [ln for ln in text.splitlines() if ln.startswith("ferry_worker_requests_total{")]
         except Exception as exc:  # the worker may be gone: say so instead of hiding the first failure
             outcomes = [repr(exc)]
@@ -134,19 +135,20 @@ class VllmStack:
         tail = "\n".join(child.tail) if child is not None else "(no such child)"
         return f"requests by outcome: {outcomes}\nlast output of {worker_id}:\n{tail}"
 
-    async def _metrics_text(self, worker_id: str) -> str:
+    async def metrics_text(self, worker_id: str) -> str:
+        """The worker's /metrics page."""
         st = await self.status(worker_id)
         assert st is not None and st.metrics_url
         async with httpx.AsyncClient(timeout=10) as c:
             return (await c.get(st.metrics_url)).text
 
     async def metrics(self, worker_id: str) -> dict[str, float]:
-        """The worker's /metrics samples without labels, by name."""
+        """The worker's /metrics samples without labels but its `model` and `worker`, by name."""
         out: dict[str, float] = {}
-        for line in (await self._metrics_text(worker_id)).splitlines():
-            if line and not line.startswith("#") and "{" not in line:
-                name, _, value = line.partition(" ")
-                out[name] = float(value)
+        for family in text_string_to_metric_families(await self.metrics_text(worker_id)):
+            for sample in family.samples:
+                if set(sample.labels) <= {"model", "worker"}:
+                    out[sample.name] = sample.value
         return out
 
     async def wait_metrics(

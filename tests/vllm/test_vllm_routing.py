@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from schemas.settings import DEFAULT_MODEL_NAME as MODEL
 from tests.vllm.stack import VllmStack
@@ -38,4 +39,15 @@ async def test_shared_prefix_follows_the_cache(vllm_stack: VllmStack) -> None:
     # The engine's own prefix-cache hit rate reaches the heartbeat and /metrics.
     st = await stack.wait_status(holder, lambda s: s is not None and s.prefix_hit_rate > 0, 10)
     assert st is not None
-    assert (await stack.metrics(holder))["ferry_worker_prefix_hit_rate"] > 0
+    m = await stack.metrics(holder)
+    assert m["ferry_worker_prefix_cache_hits_total"] >= 256
+    assert m["ferry_worker_prefix_cache_queries_total"] > m["ferry_worker_prefix_cache_hits_total"]
+    # vLLM's own families are served beside Ferry's, as vLLM's server would (dashboards for vLLM read them).
+    vllm: dict[str, float] = {}
+    for f in text_string_to_metric_families(await stack.metrics_text(holder)):
+        for sample in f.samples:
+            if sample.name.startswith("vllm:"):  # summed over labels (finished_reason, engine)
+                vllm[sample.name] = vllm.get(sample.name, 0.0) + sample.value
+    assert vllm["vllm:request_success_total"] >= 2
+    assert vllm["vllm:prefix_cache_hits_total"] >= 256
+    assert vllm["vllm:e2e_request_latency_seconds_count"] >= 2

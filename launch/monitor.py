@@ -1,0 +1,102 @@
+"""`ferry up --monitor`: a real Prometheus scraping the stack through the frontend's service discovery.
+
+The binary is Debian's `prometheus` package unpacked without root by `make prometheus` (into the venv,
+`<venv>/prometheus/usr/bin/`); `$FERRY_HOME/prometheus/usr/bin/` and PATH are looked at too. The
+configuration is docker/prometheus/prometheus.yml's, pointed at this stack's frontend, with the shipped
+recording and alert rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from launch.services import Child, free_port
+from schemas.settings import default_home
+
+ROOT = Path(__file__).resolve().parents[1]
+RULES = ROOT / "docker" / "prometheus" / "rules"
+
+
+def prometheus_binary(name: str = "prometheus") -> str:
+    """Path of `prometheus` or `promtool`; FileNotFoundError naming the make target that installs it."""
+    for base in (Path(sys.prefix) / "prometheus", default_home() / "prometheus"):
+        path = base / "usr" / "bin" / name
+        if path.is_file():
+            return str(path)
+    found = shutil.which(name)
+    if found:
+        return found
+    raise FileNotFoundError(f"{name} not found: `make prometheus` unpacks Debian's package into the venv")
+
+
+def config(discovery_url: str, scrape_s: float = 2.0) -> dict[str, Any]:
+    """The Prometheus configuration for a stack whose frontend answers `discovery_url` (JSON is YAML)."""
+    interval = f"{int(scrape_s * 1000)}ms"
+    return {
+        "global": {"scrape_interval": interval, "evaluation_interval": interval},
+        "rule_files": [str(p) for p in sorted(RULES.glob("*.yml"))],
+        "scrape_configs": [
+            {
+                "job_name": "ferry",
+                "http_sd_configs": [{"url": discovery_url, "refresh_interval": interval}],
+                "relabel_configs": [{"source_labels": ["ferry_id"], "target_label": "instance"}],
+            }
+        ],
+    }
+
+
+class Monitor:
+    """A Prometheus child and the directory that holds its configuration and data."""
+
+    def __init__(self, child: Child, url: str, workdir: Path) -> None:
+        self.child = child
+        self.url = url
+        self._workdir = workdir
+
+    async def stop(self) -> None:
+        """Stop Prometheus and remove its data."""
+        try:
+            await self.child.stop()
+        finally:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+
+
+async def start_monitor(discovery_url: str, scrape_s: float = 2.0, timeout_s: float = 60.0) -> Monitor:
+    """Start Prometheus on a free loopback port; returns once it is ready."""
+    binary = prometheus_binary()
+    workdir = Path(tempfile.mkdtemp(prefix="ferry-prometheus-"))
+    cfg = workdir / "prometheus.yml"
+    cfg.write_text(json.dumps(config(discovery_url, scrape_s), indent=2))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [binary, f"--config.file={cfg}", f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"]  # fmt: skip
+    child = await Child.spawn("prometheus", argv, echo=False)
+    monitor = Monitor(child, url, workdir)
+    try:
+        await _ready(monitor, timeout_s)
+    except BaseException:
+        await monitor.stop()
+        raise
+    return monitor
+
+
+async def _ready(monitor: Monitor, timeout_s: float) -> None:
+    async with httpx.AsyncClient(timeout=2) as c, asyncio.timeout(timeout_s):
+        while True:
+            if monitor.child.proc.returncode is not None:
+                raise RuntimeError("prometheus exited:\n" + "\n".join(monitor.child.tail))
+            try:
+                if (await c.get(f"{monitor.url}/-/ready")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.1)  # nothing to await on a process that does not listen yet
