@@ -1,7 +1,8 @@
 """Worker chunks to OpenAI responses: one stream writer and one whole-response collector for every kind.
 
-Stream events are a function of the accepted chunks alone (one event per chunk that carries text,
-logprobs or a finish reason, never merged by arrival timing), numbered from 0. A resumable stream sends
+A resumable stream's events are a function of the accepted chunks alone (one event per chunk that carries
+text, logprobs or a finish reason, never merged by arrival timing), numbered from 0; other streams merge a
+choice's chunks that reached the frontend together into one event, as a client that is behind needs. A resumable stream sends
 the number as the SSE `id:`; a stream rebuilt from Kafka for a resuming client numbers its events exactly
 as the original did, and `after` skips those the client already has. Other streams are `data:`-only, as
 OpenAI and vLLM send them: clients such as `vllm bench serve` read every line as `data:`. What each kind's events look like is in
@@ -48,56 +49,77 @@ def _states(src: ChunkSource) -> dict[int, ChoiceState]:
     return {c: ChoiceState() for c in range(len(spec.prompt_lens) * spec.n)}
 
 
-async def _deltas(
-    src: ChunkSource, states: dict[int, ChoiceState]
-) -> AsyncIterator[ChoiceDelta | ErrorInfo | None]:
-    """One delta per chunk with output, in topic order; None when idle (send a keep-alive); an error ends it."""
-    async for batch in src.chunks():
-        if not batch:
-            yield None
+def _deltas(
+    src: ChunkSource, states: dict[int, ChoiceState], batch: list[tuple[Sequence, Chunk]], merge: bool
+) -> tuple[list[ChoiceDelta], ErrorInfo | None]:
+    """The deltas of one batch of chunks, in topic order, and the error that ends the stream if one came.
+
+    With `merge`, a choice's consecutive chunks become one delta (the client was behind: OpenAI allows
+    multi-token deltas); without it, one delta per chunk with output, so event ids are reproducible."""
+    out: list[ChoiceDelta] = []
+    for seq, c in batch:
+        _record(src, states[seq.choice], c)
+        if c.error is not None:
+            return out, c.error
+        if not (c.text or c.logprobs or c.finish_reason is not None):
             continue
-        for seq, c in batch:
-            _record(src, states[seq.choice], c)
-            if c.error is not None:
-                yield c.error
-                return
-            if c.text or c.logprobs or c.finish_reason is not None:
-                yield ChoiceDelta(seq.choice, c.text, c.logprobs, c.finish_reason)
+        last = out[-1] if out else None
+        if merge and last is not None and last.choice == seq.choice and last.finish_reason is None:
+            last.text += c.text
+            if c.logprobs:
+                last.logprobs = last.logprobs + c.logprobs
+            last.finish_reason = c.finish_reason
+        else:
+            out.append(ChoiceDelta(seq.choice, c.text, c.logprobs, c.finish_reason))
+    return out, None
 
 
 async def stream(
     src: ChunkSource, events: Events, after: int = -1, ids: bool = False
 ) -> AsyncIterator[bytes]:
     """The SSE events of a request: the kind's opening, one per delta, `usage` last when asked for, then
-    `[DONE]`; event ids <= `after` are skipped, and sent as `id:` lines when `ids`. The source is closed
-    however the stream ends."""
+    `[DONE]`; event ids <= `after` are skipped, and sent as `id:` lines when `ids`. Each batch of chunks
+    that arrived together goes out as one write. The source is closed however the stream ends."""
     states = _states(src)
     eid = 0
+    out: list[bytes] = []
 
-    def framed(body: object, n: int) -> bytes:
-        return event(_encode(body), n if ids else None)
+    def emit(body: object) -> None:
+        nonlocal eid
+        if eid > after:
+            out.append(event(_encode(body), eid if ids else None))
+        eid += 1
+
+    def flush() -> bytes:
+        data = b"".join(out)
+        out.clear()
+        return data
 
     try:
         for body in events.opening():
-            if eid > after:
-                yield framed(body, eid)
-            eid += 1
-        async for d in _deltas(src, states):
-            if d is None:
+            emit(body)
+        if out:
+            yield flush()
+        async for batch in src.chunks():
+            if not batch:
                 yield KEEPALIVE
                 continue
-            if isinstance(d, ErrorInfo):
-                yield _error_event(d)
-                yield DONE
+            # Resumable streams number one event per chunk; others merge what arrived together.
+            deltas, error = _deltas(src, states, batch, merge=not ids)
+            for d in deltas:
+                emit(events.delta(d))
+            if error is not None:
+                out.append(_error_event(error))
+                out.append(DONE)
+                yield flush()
                 return
-            body = events.delta(d)
-            if eid > after:
-                yield framed(body, eid)
-            eid += 1
+            if out:
+                yield flush()
         spec = src.spec
-        if spec.include_usage and eid > after:
-            yield framed(events.usage(usage_of(spec.prompt_lens, spec.n, states)), eid)
-        yield DONE
+        if spec.include_usage:
+            emit(events.usage(usage_of(spec.prompt_lens, spec.n, states)))
+        out.append(DONE)
+        yield flush()
     finally:
         await src.close()
 

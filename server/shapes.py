@@ -40,9 +40,9 @@ class ChoiceState:
     usage: ChunkUsage | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ChoiceDelta:
-    """What one choice gained from one chunk."""
+    """What one choice gained from one chunk, or from consecutive chunks that arrived together."""
 
     choice: int
     text: str

@@ -46,33 +46,51 @@ class SSEResponse:
             (b"x-accel-buffering", b"no"),
         ] + [(k.lower().encode(), v.encode()) for k, v in self._headers.items()]
         self._gone = False
+        self._send_started: float | None = None
         pump = asyncio.create_task(self._pump(send, raw_headers))
         watch = asyncio.create_task(self._watch_disconnect(receive))
+        stall = asyncio.create_task(self._watch_stall())
         try:
-            done, _ = await asyncio.wait([pump, watch], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([pump, watch, stall], return_when=asyncio.FIRST_COMPLETED)
             if pump in done:
                 pump.result()
             else:
                 # The flag backs up the cancel below: a cancellation can be lost in a race with a
                 # completing await, and uvicorn accepts sends to a closed connection silently.
                 self._gone = True
-                log.debug("client disconnected mid-stream")
+                if stall in done:
+                    log.warning("client read nothing for %.0fs; closing its stream", self._send_timeout_s)
+                else:
+                    log.debug("client disconnected mid-stream")
         finally:
-            for t in (pump, watch):
+            for t in (pump, watch, stall):
                 t.cancel()
-            await asyncio.gather(pump, watch, return_exceptions=True)
+            await asyncio.gather(pump, watch, stall, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await self._events.aclose()  # type: ignore[attr-defined]
 
     async def _pump(self, send: Send, raw_headers: list[tuple[bytes, bytes]]) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
+        loop = asyncio.get_running_loop()
         async for chunk in self._events:
             if self._gone:
                 return
-            # A client that stops reading must not hold a stream (and its engine slot) forever.
-            async with asyncio.timeout(self._send_timeout_s):
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            # A timestamp, not a timeout per send: this runs once per event, and _watch_stall reads it.
+            self._send_started = loop.time()
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self._send_started = None
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _watch_stall(self) -> None:
+        """Return once one send has been blocked for the send timeout: a client that stops reading must not
+        hold a stream (and its engine slot) forever."""
+        loop = asyncio.get_running_loop()
+        period = self._send_timeout_s / 4
+        while True:
+            await asyncio.sleep(period)
+            started = self._send_started
+            if started is not None and loop.time() - started >= self._send_timeout_s:
+                return
 
     @staticmethod
     async def _watch_disconnect(receive: Receive) -> None:

@@ -7,6 +7,7 @@ operator would.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -83,15 +84,21 @@ async def test_cancelling_n_of_m_leaves_nothing_running_and_no_blocks_held(
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:
 
             async def stream(i: int, max_tokens: int, drop_after: int | None) -> int:
-                body = chat(i, max_tokens, stream=True)
-                n = 0
+                """Events read before leaving when `drop_after`; else the completion tokens of a whole stream."""
+                body = chat(i, max_tokens, stream=True, stream_options={"include_usage": True})
+                n, tokens = 0, -1
                 async with c.stream("POST", "/v1/chat/completions", json=body) as r:
                     assert r.status_code == 200
-                    async for _e in sse_events(r):
+                    async for _id, data in sse_events(r):
                         n += 1
                         if n == drop_after:
-                            break  # leaving the block closes the connection mid-stream
-                return n
+                            return n  # leaving the block closes the connection mid-stream
+                        if data == "[DONE]":
+                            return tokens
+                        usage = json.loads(data).get("usage")
+                        if usage:
+                            tokens = usage["completion_tokens"]
+                return -1  # ended without [DONE]
 
             async def whole(i: int, max_tokens: int) -> httpx.Response:
                 return await c.post("/v1/chat/completions", json=chat(i, max_tokens))
@@ -104,7 +111,7 @@ async def test_cancelling_n_of_m_leaves_nothing_running_and_no_blocks_held(
             for r in await asyncio.gather(*kept_whole):
                 assert r.status_code == 200
                 assert r.json()["usage"]["completion_tokens"] == 20
-            assert await asyncio.gather(*kept_streams) == [22, 22]  # role, 20 tokens, [DONE]
+            assert await asyncio.gather(*kept_streams) == [20, 20]
             assert await asyncio.gather(*dropped_streams) == [3, 3, 3]
             # The non-streaming clients give up while their answers are being generated: once the dropped
             # streams are aborted and the kept requests done, the two long ones are what runs.

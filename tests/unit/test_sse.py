@@ -86,3 +86,31 @@ async def test_events_after_a_disconnect_are_not_sent() -> None:
 
     await asyncio.wait_for(SSEResponse(events())({}, receive, send), 5)
     assert len(sent) < 10
+
+
+async def test_a_client_that_stops_reading_loses_its_stream() -> None:
+    closed = asyncio.Event()
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield event(b"token")
+        finally:
+            closed.set()
+
+    async def receive() -> Message:
+        await asyncio.Event().wait()  # connected, never reading
+        return {}
+
+    sends = 0
+
+    async def send(message: Message) -> None:
+        nonlocal sends
+        sends += 1
+        if sends > 3:
+            await asyncio.Event().wait()  # the socket's buffer is full: the send never completes
+
+    async with asyncio.timeout(5):
+        await SSEResponse(events(), send_timeout_s=0.2)({}, receive, send)
+    assert closed.is_set()
+    assert sends == 4
