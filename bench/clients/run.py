@@ -130,7 +130,7 @@ async def measure(
                 for _client, _workload, run in work:
                     cells.append(await run(sim, rnd))
                     _print_cell(cells[-1])
-                save(cells)
+                    save(cells)
         finally:
             await sim.stop()
     pair = [s for s in (FERRY_VLLM, VLLM_SERVER) if s in systems]
@@ -156,7 +156,7 @@ async def measure(
                 for name in order:
                     cells.append(await run(servers[name], rnd))
                     _print_cell(cells[-1])
-            save(cells)
+                    save(cells)  # on disk after every run, should the benchmark be cut short
     finally:
         await asyncio.gather(*(s.stop() for s in servers.values()), return_exceptions=True)
     return cells
