@@ -379,11 +379,8 @@ class Reader(Generic[T]):
             except Exception as exc:
                 log.error(
                     "%s: dropping an undecodable record at %s[%d]@%d: %r",
-                    self.name,
-                    tp.topic,
-                    tp.partition,
-                    record.offset,
-                    exc,
+                    self.name, tp.topic, tp.partition, record.offset, exc,
                 )
                 batch.dropped.append(record)
         return batch
+
