@@ -110,6 +110,9 @@ class Options:
     heartbeat_interval_ms: int | None = None
     # Give each member a range of adjacent partitions (aiokafka's default deals them out round-robin).
     range_assignor: bool = False
+    # A group member stopping while its group join is under way gives the join this long, then leaves it
+    # (None: waits for the join however long it takes; see `stop_consumer`).
+    join_wait_s: float | None = None
 
     def make_consumer(self, bootstrap: str) -> AIOKafkaConsumer:
         """A consumer with these settings (offsets are only ever committed by hand)."""
@@ -246,7 +249,7 @@ class Reader(Generic[T]):
                 await self._hooks.closing()
         finally:
             self._consumer = None
-            await stop_consumer(consumer)
+            await stop_consumer(consumer, self._options.join_wait_s)
 
     @property
     def started(self) -> bool:

@@ -166,6 +166,9 @@ class PoolConsumer:
                 heartbeat_interval_ms=max(100, session_ms // 5),
                 # Adjacent partitions hold adjacent runs of a prefix-ordered batch: keep them on one worker.
                 range_assignor=True,
+                # A drain must not wait on a join that waits on other members (bus/consumer.py); after the
+                # session timeout the broker would drop a member that left without a word anyway.
+                join_wait_s=settings.pool_session_timeout_s,
             ),
             Hooks(
                 self._handle,
