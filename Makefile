@@ -62,7 +62,7 @@ $(PROMETHEUS):
 	       || { [ "$$(id -u)" = 0 ] && apt-get update -qq >/dev/null && apt-get download prometheus >/dev/null 2>&1 ; } \
 	       || { echo "could not download Debian's prometheus package (apt-get update needs root once)"; exit 1; } ; } \
 	  && dpkg-deb -x prometheus_*.deb $(abspath $(VENV))/prometheus
-	@$(PROMETHEUS) --version | head -n 1
+	@$(PROMETHEUS) --version >/dev/null
 
 # Benchmarks draw plots and can profile: their extra is installed only when asked for.
 BENCH_STAMP := $(VENV)/.ferry-bench
