@@ -189,7 +189,7 @@ class ReplyDemux:
         return list(self._tails)
 
     @property
-    def reader(self) -> Reader[Chunk]:
+    def reader(self) -> Reader[ReplyMessage]:
         """The replies reader (for its consumer lag)."""
         return self._reader
 

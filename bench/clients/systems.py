@@ -51,7 +51,7 @@ class Server:
 def engine_settings(block_size: int, max_num_seqs: int) -> dict[str, Any]:
     """What Ferry's vLLM worker runs with: VLLMConfig's defaults and `ferry up`'s engine defaults."""
     from schemas.settings import EngineSettings
-    from workers.vllm_config import VLLMConfig
+    from workers.vllm_config import VLLMConfig, platform_defaults
 
     eng = EngineSettings()
     cfg = VLLMConfig(
@@ -59,17 +59,19 @@ def engine_settings(block_size: int, max_num_seqs: int) -> dict[str, Any]:
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=eng.max_num_batched_tokens,
     )
+    # The CPU defaults Ferry's worker applies where its user gave none (workers/vllm_config.py).
+    cpu = platform_defaults(cfg, on_cpu=True)
     return {
-        "dtype": cfg.dtype,
-        "enforce_eager": cfg.enforce_eager,
+        "dtype": cpu["dtype"],
+        "enforce_eager": cpu["enforce_eager"],
         "block_size": cfg.block_size,
-        "max_model_len": cfg.max_model_len,
+        "max_model_len": cpu["max_model_len"],
         "max_num_seqs": cfg.max_num_seqs,
         "max_num_batched_tokens": cfg.max_num_batched_tokens,
-        "kv_cache_gib": cfg.kv_cache_gib,
-        "scheduling_policy": cfg.scheduling_policy,
-        "max_logprobs": cfg.max_logprobs,
-        "seed": cfg.seed,
+        "kv_cache_gib": cpu["kv_cache_memory_bytes"] / _GIB,
+        "scheduling_policy": cpu["scheduling_policy"],
+        "max_logprobs": cpu["max_logprobs"],
+        "seed": cpu["seed"],
         "enable_prefix_caching": True,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
