@@ -56,6 +56,16 @@ def children_of(ppid: int) -> list[int]:
     return out
 
 
+def tree_cpu_seconds(root_pid: int) -> float:
+    """CPU seconds used so far by `root_pid` and all its descendants (broker, Redis, EngineCore included)."""
+    pids, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo.extend(children_of(pid))
+    return sum(process_cpu_seconds(p) or 0.0 for p in pids)
+
+
 def _cmdline(pid: int) -> list[str]:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")

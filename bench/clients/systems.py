@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.stack import FerryStack, children_of, process_cpu_seconds
+from bench.stack import FerryStack, tree_cpu_seconds
 from launch.services import Child, free_port
 from schemas.settings import DEFAULT_MODEL_NAME
 
@@ -40,12 +40,7 @@ class Server:
 
     def cpu_seconds(self) -> float:
         """CPU seconds used so far by the system's processes (broker, Redis, EngineCore included)."""
-        pids, todo = [], [self.root_pid]
-        while todo:
-            pid = todo.pop()
-            pids.append(pid)
-            todo.extend(children_of(pid))
-        return sum(process_cpu_seconds(p) or 0.0 for p in pids)
+        return tree_cpu_seconds(self.root_pid)
 
 
 def engine_settings(block_size: int, max_num_seqs: int) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from typing import Any
 
 from bench.overhead import PhaseResult, chat_body, machine_info, ms
 from bench.sse_client import Connection, StreamStats, stream_stats
-from bench.stack import FerryStack, children_of, process_cpu_seconds
+from bench.stack import FerryStack, tree_cpu_seconds
 from launch.services import Child, free_port
 from schemas.settings import DEFAULT_MODEL_NAME
 
@@ -61,12 +61,7 @@ class Server:
 
     def cpu_seconds(self) -> float:
         """CPU seconds used so far by the system's processes (broker, Redis, EngineCore included)."""
-        pids, todo = [], [self.root_pid]
-        while todo:
-            pid = todo.pop()
-            pids.append(pid)
-            todo.extend(children_of(pid))
-        return sum(process_cpu_seconds(p) or 0.0 for p in pids)
+        return tree_cpu_seconds(self.root_pid)
 
 
 async def start_ferry(timeout_s: float) -> tuple[Server, FerryStack]:

@@ -108,6 +108,20 @@ class ToolParser(ABC):
             self.content_sent = len(self.text)
         return step
 
+    def content_before(self, marker: str, final: bool, step: Step) -> int:
+        """Put the text before the first `marker` into `step` as content, holding back a tail that may be the
+        start of the marker unless `final`; returns where the marker starts, or -1."""
+        text = self.text
+        first = text.find(marker)
+        if first == -1:
+            upto = len(text) if final else len(text) - partial_overlap(text, marker)
+        else:
+            upto = first
+        if upto > self.content_sent:
+            step.content = text[self.content_sent : upto]
+            self.content_sent = upto
+        return first
+
     @abstractmethod
     def scan(self, final: bool) -> Step:
         """Look at the whole output so far and return what has not been sent yet."""

@@ -3,7 +3,7 @@ them, after optional text (vLLM's `hermes` parser)."""
 
 from __future__ import annotations
 
-from server.tool_parsers.base import CallIds, Step, ToolParser, partial_overlap
+from server.tool_parsers.base import CallIds, Step, ToolParser
 from server.tool_parsers.partial_json import NotJSON, member_string, member_text, scan_object, skip_ws
 
 START = "<tool_call>"
@@ -25,14 +25,7 @@ class HermesParser(ToolParser):
         """Content up to the first tag (holding back a possible partial tag), then every tagged call."""
         text = self.text
         step = Step()
-        first = text.find(START)
-        if first == -1:
-            upto = len(text) if final else len(text) - partial_overlap(text, START)
-        else:
-            upto = first
-        if upto > self.content_sent:
-            step.content = text[self.content_sent : upto]
-            self.content_sent = upto
+        first = self.content_before(START, final, step)
         if first == -1 or self._broken:
             return step
         pos, index = first, 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import string
 
-from server.tool_parsers.base import CallIds, Step, ToolParser, partial_overlap
+from server.tool_parsers.base import CallIds, Step, ToolParser
 from server.tool_parsers.partial_json import (
     NotJSON,
     member_string,
@@ -41,14 +41,7 @@ class MistralParser(ToolParser):
         """Content up to the marker, then the calls in whichever format follows it."""
         text = self.text
         step = Step()
-        first = text.find(BOT)
-        if first == -1:
-            upto = len(text) if final else len(text) - partial_overlap(text, BOT)
-        else:
-            upto = first
-        if upto > self.content_sent:
-            step.content = text[self.content_sent : upto]
-            self.content_sent = upto
+        first = self.content_before(BOT, final, step)
         if first == -1 or self._broken:
             return step
         try:
