@@ -119,7 +119,9 @@ async def test_demux_rolls_reads_old_topics_while_used_then_deletes_them(kafka: 
 
 async def test_requests_across_rolls_complete_and_a_stream_resumes_from_its_topic(h: Harness) -> None:
     await h.add_worker(speedup=1.0)  # real time: the resumable stream is still running when dropped
-    fe, url = await h.add_frontend(replies_roll_records=50)
+    # A wave of 8 concurrent requests of 30 tokens makes at least 30 records (a worker sends the chunks of
+    # the sequences it steps together as one record), so a wave fills a topic of 20.
+    fe, url = await h.add_frontend(replies_roll_records=20)
     first = fe.svc.demux.topic
     body = {
         "model": MODEL,

@@ -57,7 +57,7 @@ async def test_disconnect_aborts_in_the_engine_and_stats_follow(vllm_stack: Vllm
             assert st is not None and st.waiting == 0 and 0 < st.kv_usage < 1
             m = await stack.wait_metrics(worker, lambda m: m["ferry_worker_engine_running"] == 1, 10)
             assert m["ferry_worker_kv_usage"] > 0 and m["ferry_worker_inflight"] == 1
-            assert "ferry_worker_engine_waiting" in m and "ferry_worker_prefix_hit_rate" in m
+            assert "ferry_worker_engine_waiting" in m and "ferry_worker_prefix_cache_queries_total" in m
         # The client is gone (the response was closed mid-stream): the engine stops running it.
     st = await stack.wait_status(worker, lambda s: s is not None and s.running == 0, 15)
     assert st is not None and st.kv_usage == 0
