@@ -634,7 +634,8 @@ _SERVER_HISTOGRAMS = {
 
 
 async def scrape_metrics(stack: FerryStack) -> dict[str, float]:
-    """`_sum` and `_count` samples of the frontend's Prometheus metrics (empty if unavailable)."""
+    """`_sum` and `_count` samples of the frontend's Prometheus metrics, summed over their labels (such as
+    `model`); empty if unavailable."""
     conn = Connection(stack.host, stack.port)
     try:
         resp = await conn.request("GET", "/metrics", timeout_s=10)
@@ -644,10 +645,13 @@ async def scrape_metrics(stack: FerryStack) -> dict[str, float]:
         conn.close()
     out: dict[str, float] = {}
     for line in resp.body.decode(errors="replace").splitlines():
-        name, _, value = line.partition(" ")
-        if name.endswith(("_sum", "_count")) and "{" not in name:
+        if line.startswith("#"):
+            continue
+        sample, _, value = line.rpartition(" ")
+        name = sample.split("{", 1)[0]
+        if name.endswith(("_sum", "_count")):
             with contextlib.suppress(ValueError):
-                out[name] = float(value)
+                out[name] = out.get(name, 0.0) + float(value)
     return out
 
 
