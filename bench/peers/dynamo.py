@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,12 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.peers import venv as peer_venv
 from launch.services import Child, free_port
 
 VERSION = "1.6.1"
 PACKAGES = (f"ai-dynamo=={VERSION}", f"ai-dynamo-runtime=={VERSION}")
 SKIPPED_REQUIREMENTS = frozenset({"aisimulate"})
-MARKER = "ferry-peer.json"
 
 # Every address Dynamo binds or advertises stays on loopback.
 _LOOPBACK_VARS = (
@@ -72,36 +71,18 @@ print(json.dumps(out))
 
 
 def default_venv() -> Path:
-    """Where the peer is installed: under Ferry's home (FERRY_HOME, default ~/.cache/ferry)."""
-    home = Path(os.environ.get("FERRY_HOME", Path.home() / ".cache" / "ferry"))
-    return home / "peers" / f"dynamo-{VERSION}"
+    """Where the peer is installed (bench.peers.venv.peer_home)."""
+    return peer_venv.peer_home("dynamo", VERSION)
 
 
 def venv_python(venv: Path) -> Path:
     """The interpreter of a virtual environment."""
-    return venv / "bin" / "python"
-
-
-def _run(argv: list[str], log: Any = None) -> subprocess.CompletedProcess[str]:
-    if log:
-        log(" ".join(argv))
-    return subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
+    return peer_venv.venv_bin(venv, "python")
 
 
 def installed_info(venv: Path) -> dict[str, Any] | None:
     """The marker written by a finished install, if it is for this version and the modules import."""
-    marker = venv / MARKER
-    py = venv_python(venv)
-    if not marker.is_file() or not py.is_file():
-        return None
-    try:
-        info = json.loads(marker.read_text())
-    except ValueError:
-        return None
-    if info.get("version") != VERSION:
-        return None
-    probe = _run([str(py), "-c", "import dynamo.frontend, dynamo.mocker, dynamo._core"])
-    return info if probe.returncode == 0 else None
+    return peer_venv.read_marker(venv, VERSION, ["-c", "import dynamo.frontend, dynamo.mocker, dynamo._core"])
 
 
 def ensure_installed(venv: Path | None = None, log: Any = print) -> dict[str, Any]:
@@ -111,45 +92,34 @@ def ensure_installed(venv: Path | None = None, log: Any = print) -> dict[str, An
     if info is not None:
         return info
     started = time.monotonic()
-    if venv.exists():
-        shutil.rmtree(venv)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    base = getattr(sys, "_base_executable", sys.executable)
-    if (r := _run([base, "-m", "venv", str(venv)], log)).returncode != 0:
-        raise RuntimeError(f"creating the venv failed:\n{r.stderr[-2000:]}")
+    pip = peer_venv.create(venv, log)
+    peer_venv.install(pip, ["--no-deps", *PACKAGES], log)
     py = str(venv_python(venv))
-    pip = [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    if (r := _run([*pip, "--no-deps", *PACKAGES], log)).returncode != 0:
-        raise RuntimeError(f"installing {' '.join(PACKAGES)} failed:\n{r.stderr[-2000:]}")
-    r = _run([py, "-c", _LIST_REQUIREMENTS, "ai-dynamo", "ai-dynamo-runtime"])
+    r = peer_venv.run([py, "-c", _LIST_REQUIREMENTS, "ai-dynamo", "ai-dynamo-runtime"])
     if r.returncode != 0:
         raise RuntimeError(f"reading Dynamo's requirements failed:\n{r.stderr[-2000:]}")
     reqs = [q for q in json.loads(r.stdout) if q["name"].lower() not in SKIPPED_REQUIREMENTS]
     specs = [f"{q['name']}{q['spec']}" for q in reqs]
     relaxed: list[str] = []
-    if _run([*pip, *specs], log).returncode != 0:
+    if peer_venv.run([*pip, *specs], log).returncode != 0:
         # One at a time; a pin no release satisfies falls back to the newest release and is reported.
         for q in reqs:
             spec = f"{q['name']}{q['spec']}"
-            if _run([*pip, spec], log).returncode == 0:
+            if peer_venv.run([*pip, spec], log).returncode == 0:
                 continue
-            if (r := _run([*pip, q["name"]], log)).returncode != 0:
-                raise RuntimeError(f"installing {q['name']} failed:\n{r.stderr[-2000:]}")
+            peer_venv.install(pip, [q["name"]], log)
             relaxed.append(spec)
-    freeze = _run([py, "-m", "pip", "freeze"]).stdout.split()
-    info = {
-        "version": VERSION,
-        "venv": str(venv),
-        "python": _run([py, "--version"]).stdout.strip(),
-        "installed_no_deps": list(PACKAGES),
-        "requirements": specs,
-        "skipped": sorted(SKIPPED_REQUIREMENTS),
-        "relaxed": relaxed,
-        "freeze": freeze,
-        "install_seconds": round(time.monotonic() - started, 1),
-    }
-    if installed_info(venv) is None:
-        (venv / MARKER).write_text(json.dumps(info, indent=2) + "\n")
+    info = peer_venv.record(
+        venv,
+        {
+            "version": VERSION,
+            "installed_no_deps": list(PACKAGES),
+            "requirements": specs,
+            "skipped": sorted(SKIPPED_REQUIREMENTS),
+            "relaxed": relaxed,
+            "install_seconds": round(time.monotonic() - started, 1),
+        },
+    )
     if installed_info(venv) is None:
         raise RuntimeError(f"Dynamo {VERSION} does not import after installing into {venv}")
     return info
