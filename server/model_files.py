@@ -56,6 +56,8 @@ class GenerationDefaults:
     sampling: dict[str, Any] = field(default_factory=dict)
     # End-of-sequence ids beyond the tokenizer's own, which end a sequence too (unless ignore_eos).
     stop_token_ids: tuple[int, ...] = ()
+    # `max_new_tokens`: the completion length of a chat request that names none (vLLM's default max_tokens).
+    max_tokens: int | None = None
 
     @classmethod
     def read(cls, path: Path, eos_token_id: int) -> "GenerationDefaults":
@@ -68,7 +70,17 @@ class GenerationDefaults:
             sampling["top_k"] = int(sampling["top_k"]) or -1  # transformers' 0 is "no top-k"
         eos = gen.get("eos_token_id")
         ids = [eos] if isinstance(eos, int) else [i for i in eos or [] if isinstance(i, int)]
-        return cls(sampling, tuple(i for i in dict.fromkeys(ids) if i != eos_token_id))
+        new = gen.get("max_new_tokens")
+        max_tokens = new if isinstance(new, int) and not isinstance(new, bool) and new > 0 else None
+        return cls(sampling, tuple(i for i in dict.fromkeys(ids) if i != eos_token_id), max_tokens)
+
+    def budget(self, requested: int | None, allowed: int) -> int:
+        """A chat request's max_tokens, `allowed` being what it asked for (checked against the context) or,
+        if it named none, the room its prompt leaves: as vLLM's get_max_tokens, `max_new_tokens` stands in
+        only for an omitted value, within that room; a value the request gives is not capped by it."""
+        if requested is not None or self.max_tokens is None:
+            return allowed
+        return min(allowed, self.max_tokens)
 
     def fill(self, params: SamplingParams, req: SamplingFields) -> SamplingParams:
         """`params` with the model's defaults where `req` left a field unset."""

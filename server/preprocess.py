@@ -207,7 +207,8 @@ class Preprocessor:
         # The template already wrote the special tokens.
         ids = await self._encode(text, add_special_tokens=False)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = _budget(requested, len(ids), max_model_len, "messages", "messages")
+        allowed = _budget(requested, len(ids), max_model_len, "messages", "messages")
+        max_tokens = self.model.generation_defaults.budget(requested, allowed)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         sampling = self.model.generation_defaults.fill(_sampling(req, logprobs, self.model.vocab_size), req)
         if tools.structured is not None:

@@ -11,25 +11,16 @@ shows the tools to the template, which is what vLLM renders too.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
+
+import jsonschema
 
 from schemas.kafka import StructuredOutput
 from schemas.openai import ChatCompletionRequest, ChatTool, NamedToolChoice
 from schemas.streams import ToolCallMode
 from server.errors import APIError
 from server.tool_parsers import PARSERS
-
-_TYPES = {"null", "boolean", "object", "array", "number", "string", "integer"}
-# Keywords whose value is a schema, a list of schemas, or a map of names to schemas.
-_SUBSCHEMA = ("not", "if", "then", "else", "contains", "propertyNames", "additionalItems", "unevaluatedItems",
-              "unevaluatedProperties")  # fmt: skip
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_NON_NEGATIVE = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
-                 "minContains", "maxContains")  # fmt: skip
-_NUMBERS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 
 @dataclass(frozen=True)
@@ -48,73 +39,16 @@ def _bad(message: str, param: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
-def schema_problem(schema: Any, path: str = "") -> str | None:
-    """What makes `schema` no JSON Schema (its keywords' value types, as the meta-schema has them); None if
-    nothing does. Keywords it does not know are left alone, as JSON Schema does."""
-    where = path or "the schema"
-    if isinstance(schema, bool):
-        return None
-    if not isinstance(schema, dict):
-        return f"{where} must be an object or a boolean"
-    t = schema.get("type")
-    if t is not None:
-        names = t if isinstance(t, list) else [t]
-        if not names or not all(isinstance(n, str) and n in _TYPES for n in names):
-            return f"{where}: `type` must be one of {sorted(_TYPES)} or a list of them, not {json.dumps(t)}"
-    for key in _SUBSCHEMA:
-        if key in schema and (problem := schema_problem(schema[key], f"{path}.{key}")):
-            return problem
-    items = schema.get("items")
-    if items is not None:
-        subs = items if isinstance(items, list) else [items]
-        for i, sub in enumerate(subs):
-            if problem := schema_problem(
-                sub, f"{path}.items" + (f"[{i}]" if isinstance(items, list) else "")
-            ):
-                return problem
-    if "additionalProperties" in schema:
-        if problem := schema_problem(schema["additionalProperties"], f"{path}.additionalProperties"):
-            return problem
-    for key in _SCHEMA_LISTS:
-        if key in schema:
-            subs = schema[key]
-            if not isinstance(subs, list) or not subs:
-                return f"{where}: `{key}` must be a non-empty array of schemas"
-            for i, sub in enumerate(subs):
-                if problem := schema_problem(sub, f"{path}.{key}[{i}]"):
-                    return problem
-    for key in _SCHEMA_MAPS:
-        if key in schema:
-            subs = schema[key]
-            if not isinstance(subs, dict):
-                return f"{where}: `{key}` must be an object of schemas"
-            for name, sub in subs.items():
-                if problem := schema_problem(sub, f"{path}.{key}.{name}"):
-                    return problem
-    required = schema.get("required")
-    if required is not None and (
-        not isinstance(required, list)
-        or not all(isinstance(r, str) for r in required)
-        or len(set(required)) != len(required)
-    ):
-        return f"{where}: `required` must be an array of distinct strings"
-    if "enum" in schema and not isinstance(schema["enum"], list):
-        return f"{where}: `enum` must be an array"
-    for key in _NON_NEGATIVE:
-        v = schema.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            return f"{where}: `{key}` must be a non-negative integer"
-    for key in _NUMBERS:
-        v = schema.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
-            return f"{where}: `{key}` must be a number"
-    if "pattern" in schema:
-        try:
-            re.compile(schema["pattern"])
-        except (re.error, TypeError):
-            return f"{where}: `pattern` must be a valid regular expression"
-    if "$ref" in schema and not isinstance(schema["$ref"], str):
-        return f"{where}: `$ref` must be a string"
+def schema_problem(schema: Any) -> str | None:
+    """What makes `schema` no JSON Schema, checked against the meta-schema of the draft it names (2020-12
+    when it names none) by jsonschema; None if nothing does."""
+    if not isinstance(schema, dict | bool):
+        return "the schema must be an object or a boolean"
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        return f"at '{where}': {e.message}" if where else e.message
     return None
 
 

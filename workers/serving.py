@@ -195,9 +195,13 @@ class Serving:
                 self._outbox.send_final_nowait(req, ending(req, seq, wid, self._stop_error))
             metrics.requests.labels("cancelled").inc()
             raise
+        except EngineDead as exc:
+            # As from a dead worker, no last word: an error chunk would reach the client, while silence lets
+            # frontends move the stream once this worker leaves routing (workers/worker.py abandons the rest).
+            self._silent = True
+            self._on_fatal(exc)
+            metrics.requests.labels("error").inc()
         except EngineError as exc:
-            if isinstance(exc, EngineDead):
-                self._on_fatal(exc)
             await self._outbox.send(req, ending(req, seq, wid, ErrorInfo(exc.code, str(exc), exc.retriable)))
             metrics.requests.labels("error").inc()
         except Exception as exc:

@@ -140,6 +140,8 @@ class SimEngine(EngineLifecycle):
         self._kv_events = KVEventQueue(self.config.max_pending_kv_batches, self._snapshot)
         # Tests: an engine that stops stepping but still passes check_health (what the canary catches).
         self.hung = False
+        # Tests: a step loop that dies at its next step, as vLLM's EngineCore process can.
+        self.crash = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -322,6 +324,8 @@ class SimEngine(EngineLifecycle):
     async def _run(self) -> None:
         try:
             while True:
+                if self.crash:
+                    raise RuntimeError("simulated engine crash")
                 step = None if self.hung else self._schedule()
                 if step is None:
                     self._wake.clear()

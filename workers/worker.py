@@ -20,8 +20,8 @@ from kvstore.registry import Registry
 from schemas.kafka import ErrorInfo, GenerateRequest
 from schemas.names import RedisKeys, pool_topic, request_topic
 from schemas.settings import WorkerSettings
-from workers.canary import Canary, CanaryFailed
-from workers.engine import Engine
+from workers.canary import Canary
+from workers.engine import Engine, EngineDead
 from workers.engine_control import EngineOps
 from workers.heartbeat import Heartbeat
 from workers.inbox import Inbox
@@ -127,7 +127,7 @@ class Worker:
             if self._fatal is not None:
                 log.error("worker %s stopping after a fatal error: %r", s.worker_id, self._fatal)
                 await self.heartbeat.leave()
-                if isinstance(self._fatal, CanaryFailed):
+                if isinstance(self._fatal, EngineDead):  # hung (CanaryFailed) or dead: the same for streams
                     # Frontends move what ran here once they see us gone (workers/canary.py).
                     await self.serving.abandon()
                 else:

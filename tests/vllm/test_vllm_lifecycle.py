@@ -1,5 +1,6 @@
 """Real vLLM workers behind the frontend: engine statistics in heartbeats and /metrics, a client that goes
-away aborting its request in the engine, and an engine that dies taking its worker out cleanly."""
+away aborting its request in the engine, and an engine that dies taking its worker out cleanly, without a
+last word on its sequences (frontends move them)."""
 
 from __future__ import annotations
 
@@ -114,12 +115,6 @@ async def test_engine_death_takes_the_worker_out(vllm_stack: VllmStack) -> None:
 
         # vLLM's EngineCore is a child process of the worker (AsyncLLM always runs it apart); kill it.
         os.kill(stack.engine_core_pid(victim), signal.SIGKILL)
-        while chunks[-1].finish_reason is None:
-            chunks += await next_chunks()
-        last = chunks[-1]
-        assert last.finish_reason == "error" and last.error is not None, msgspec.json.encode(last)
-        assert last.error.retriable and last.error.code == "engine_dead"
-
         try:
             async with asyncio.timeout(150):  # the worker bounds each closing step; this bounds them all
                 rc = await child.proc.wait()
@@ -128,6 +123,10 @@ async def test_engine_death_takes_the_worker_out(vllm_stack: VllmStack) -> None:
                 "the worker did not exit after its engine died; its last lines:\n" + "\n".join(child.tail)
             )
         assert rc != 0
+        # No last word, as from a dead worker: a frontend moves the sequence (test_engine_death.py).
+        rest = await consumer.getmany(tp, timeout_ms=1000)
+        chunks += [c for rec in rest.get(tp, []) for c in chunks_of(reply_decoder.decode(rec.value))]
+        assert all(c.finish_reason is None for c in chunks), msgspec.json.encode(chunks[-1])
         assert any("stopping after a fatal error" in line for line in child.tail), child.tail
         assert await stack.status(wid) is None
         assert stack.frontend is not None and stack.frontend.svc is not None
