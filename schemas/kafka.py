@@ -50,6 +50,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
     # No EOS, stop token or stop string ends the sequence before this many tokens.
     min_tokens: int = 0
     structured: StructuredOutput | None = None
+    # Top alternatives to show for every prompt token (vLLM's `prompt_logprobs`); None: none computed.
+    prompt_logprobs: int | None = None
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", omit_defaults=True, frozen=True):
@@ -140,6 +142,8 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = []
+    # The token's rank in the vocabulary (1 = most likely), where the engine says (prompt logprobs show it).
+    rank: int | None = None
 
 
 class Chunk(msgspec.Struct, tag="chunk", omit_defaults=True, frozen=True):
@@ -156,6 +160,9 @@ class Chunk(msgspec.Struct, tag="chunk", omit_defaults=True, frozen=True):
     error: ErrorInfo | None = None
     worker_id: str = ""
     logprobs: list[TokenLogprob] = []
+    # Logprobs of each prompt token given the ones before it (None for the first), on a sequence's first
+    # chunk when the request asked for `prompt_logprobs`.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # The GenerateRequest attempt that produced it. A chunk with seq == -1 is the frontend's migration
     # marker: from here on only chunks of this attempt count (server/streams.py).
     attempt: int = 0

@@ -198,6 +198,9 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     skip_special_tokens: bool = True
     priority: Priority = 0
     structured_outputs: StructuredOutputsRequest | None = None
+    # Logprobs of every prompt token with this many alternatives (vLLM's extension; not on streams, as in
+    # vLLM; at most 20, vLLM's default `max_logprobs`).
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     # vLLM's guided-decoding fields from before `structured_outputs` (vLLM 0.32 ignores them; Ferry
     # honours them, so older clients get the constraint they asked for).
     guided_json: Any = None
@@ -212,7 +215,6 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reasoning_effort: Any = None
     verbosity: Any = None
     prompt_cache_retention: Any = None
-    prompt_logprobs: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     include_stop_str_in_output: Any = None
@@ -231,6 +233,8 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         # As OpenAI and vLLM do: options of a stream are a mistake on a request that does not stream.
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "`stream_options` is only allowed when `stream` is true.")
+        if self.prompt_logprobs is not None and self.stream:
+            raise FieldError("prompt_logprobs", "`prompt_logprobs` are not available when `stream` is true.")
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -352,6 +356,18 @@ class AssistantMessage(msgspec.Struct):
     tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's logprob entry of one token at one prompt position."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# Per prompt position (the first has none): token id (as a string, a JSON key) -> its entry.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatChoice(msgspec.Struct):
     """One choice of a chat completion."""
 
@@ -371,6 +387,8 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    # vLLM's extension, present when the request asked for `prompt_logprobs`.
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
 
 
 class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
@@ -426,6 +444,8 @@ class CompletionChoice(msgspec.Struct):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's extension, present when the request asked for `prompt_logprobs` (never on stream chunks).
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
 
 
 class Completion(msgspec.Struct, kw_only=True):

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from schemas.kafka import TokenLogprob
-from schemas.openai import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from schemas.openai import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TopLogprob,
+)
 from server.model_files import ModelFiles
 
 
@@ -40,3 +47,16 @@ class LogprobFormatter:
             offsets.append(offset)
             offset += len(tok)
         return CompletionLogprobs(tokens, lps, tops, offsets)
+
+    def prompt(self, entries: list[TokenLogprob | None]) -> PromptLogprobs:
+        """vLLM-style prompt logprobs: per position, the prompt token and its top alternatives by token id."""
+        out: PromptLogprobs = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            # The alternatives in rank order, then the prompt token itself whatever its rank (as vLLM does).
+            shown = {str(t): PromptLogprob(lp, rank, self.token(t)) for rank, (t, lp) in enumerate(e.top, 1)}
+            shown.setdefault(str(e.token_id), PromptLogprob(e.logprob, e.rank, self.token(e.token_id)))
+            out.append(shown)
+        return out

@@ -129,6 +129,7 @@ def _sampling(req: SamplingFields, logprobs: int | None, vocab_size: int) -> Sam
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         logit_bias=logit_bias(req, vocab_size),
         min_p=req.min_p or 0.0,

@@ -162,6 +162,8 @@ def absorb(state: ChoiceState, chunks: list[Chunk]) -> ErrorInfo | None:
             return c.error
         state.text.append(c.text)
         state.logprobs.extend(c.logprobs)
+        if c.prompt_logprobs is not None and state.prompt_logprobs is None:
+            state.prompt_logprobs = c.prompt_logprobs
     return None
 
 

@@ -43,6 +43,8 @@ class ChoiceState:
     finish_reason: str | None = None
     usage: ChunkUsage | None = None
     tokens: int = 0  # produced so far (continuous usage stats)
+    # From the first chunk that has them (a moved sequence's later attempts cover a longer prompt).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -247,7 +249,12 @@ def chat_completion(done: Finished, fmt: LogprobFormatter) -> ChatCompletion:
             )
         )
     usage = usage_of(done.prompt_lens, done.n, done.states)
-    return ChatCompletion(id=done.id, created=done.created, model=done.model, choices=choices, usage=usage)
+    body = ChatCompletion(id=done.id, created=done.created, model=done.model, choices=choices, usage=usage)
+    # One prompt per chat request: vLLM shows its logprobs once, on the response.
+    first = done.states.get(0)
+    if first is not None and first.prompt_logprobs is not None:
+        body.prompt_logprobs = fmt.prompt(first.prompt_logprobs)
+    return body
 
 
 def text_completion(done: Finished, fmt: LogprobFormatter) -> Completion:
@@ -256,6 +263,9 @@ def text_completion(done: Finished, fmt: LogprobFormatter) -> Completion:
     for c, s in sorted(done.states.items()):
         prefix = done.echo_texts[c // done.n] if done.echo_texts else ""
         lps = fmt.completion(s.logprobs, len(prefix)) if done.logprobs else None
-        choices.append(CompletionChoice(c, prefix + "".join(s.text), lps, finish(s.finish_reason)))
+        choice = CompletionChoice(c, prefix + "".join(s.text), lps, finish(s.finish_reason))
+        if s.prompt_logprobs is not None:
+            choice.prompt_logprobs = fmt.prompt(s.prompt_logprobs)
+        choices.append(choice)
     usage = usage_of(done.prompt_lens, done.n, done.states)
     return Completion(id=done.id, created=done.created, model=done.model, choices=choices, usage=usage)

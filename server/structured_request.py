@@ -29,7 +29,6 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "verbosity": (None,),
     "prompt_cache_retention": (None,),
     # vLLM's
-    "prompt_logprobs": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
     "include_stop_str_in_output": (None, False),

@@ -23,6 +23,8 @@ class EngineOutput(msgspec.Struct):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] = []
+    # On the first output, when the request asked for them (Chunk.prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # Seconds the sequence waited in the engine's queue before it was first scheduled; on the first
     # output, 0 if the engine does not know.
     queued_s: float = 0.0

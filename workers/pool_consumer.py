@@ -362,6 +362,7 @@ class PoolConsumer:
             token_ids=[t for c in parts for t in c.token_ids],
             text="".join(c.text for c in parts),
             logprobs=[e for c in parts for e in c.logprobs],
+            prompt_logprobs=parts[0].prompt_logprobs,
         )
 
     # ---- stopped batches -------------------------------------------------------------------------

@@ -34,6 +34,7 @@ def chunk_of(req: GenerateRequest, seq: int, out: EngineOutput, worker_id: str, 
         usage=usage,
         worker_id=worker_id,
         logprobs=out.logprobs,
+        prompt_logprobs=out.prompt_logprobs,
         attempt=req.attempt,
     )
 

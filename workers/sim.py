@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 from kvstore.hashing import block_hashes, chain_seed
 from schemas.kafka import FinishReason, GenerateRequest
 from schemas.kv_events import AllBlocksCleared, BlockStored, KVEvent, KVEventBatch
+from workers import sim_draws
 from workers.block_pool import BlockPool, SequenceBlocks
 from workers.detok import Detokenizer
 from workers.engine import EngineDead, EngineLifecycle, EngineOutput, EngineStats
@@ -466,6 +467,8 @@ class SimEngine(EngineLifecycle):
         )
         if request.sampling.logprobs is not None:
             out.logprobs = [logprob(self._vocab, self.config.seed, seq.stream_key, pos, token, request.sampling.logprobs)]
+        if not seq.sent_first and (k := request.sampling.prompt_logprobs) is not None:
+            out.prompt_logprobs = sim_draws.prompt_logprobs(self._vocab, self.config.seed, seq.stream_key, request, k)
         if not seq.sent_first or finish is not None:
             seq.sent_first = True
             out.prompt_tokens = len(request.prompt_token_ids)

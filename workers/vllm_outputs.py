@@ -56,6 +56,22 @@ def engine_output(request: GenerateRequest, detok: Detokenizer, output: RequestO
         # Tokens after a stop string were dropped above, so the lists may differ in length.
         pairs = zip(out.token_ids, completion.logprobs, strict=False)
         out.logprobs = [token_logprob(t, entry, k) for t, entry in pairs]
+    if request.sampling.prompt_logprobs is not None and output.prompt_logprobs:
+        out.prompt_logprobs = prompt_logprobs(output, request.sampling.prompt_logprobs)
+    return out
+
+
+def prompt_logprobs(output: RequestOutput, k: int) -> list[TokenLogprob | None]:
+    """vLLM's prompt logprobs (None for the first token, which nothing precedes), each with its rank."""
+    ids = output.prompt_token_ids or []
+    out: list[TokenLogprob | None] = []
+    for token, entry in zip(ids, output.prompt_logprobs or [], strict=False):
+        if entry is None:
+            out.append(None)
+            continue
+        own = entry.get(token)
+        lp = token_logprob(token, entry, k)
+        out.append(TokenLogprob(lp.token_id, lp.logprob, lp.top, own.rank if own is not None else None))
     return out
 
 

@@ -167,7 +167,8 @@ async def test_continuous_usage_stats_put_usage_on_every_chunk(client: openai.As
         ({"web_search_options": {}}, "web_search_options"),
         ({"store": True}, "store"),
         ({"reasoning_effort": "low"}, "reasoning_effort"),
-        ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+        ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
+        ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
         ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
         (
@@ -188,6 +189,30 @@ async def test_unsupported_and_invalid_fields_are_400s_naming_them(
     with pytest.raises(openai.BadRequestError) as err:
         await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, **fields)
     assert err.value.param == param
+
+
+def _check_prompt_logprobs(got: list[Any], prompt: list[int], k: int, files: ModelFiles) -> None:
+    assert len(got) == len(prompt) and got[0] is None
+    for token, entry in zip(prompt[1:], got[1:], strict=True):
+        assert str(token) in entry and len(entry) in (k, k + 1), entry
+        assert entry[str(token)]["decoded_token"] == files.decode([token], skip_special_tokens=False)
+        assert all(e["logprob"] <= 0 and e["rank"] >= 1 for e in entry.values())
+
+
+async def test_prompt_logprobs_as_vllm_shows_them(stack: Stack, files: ModelFiles) -> None:
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as c:
+        prompt = files.encode("The capital of France is", add_special_tokens=True)
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2}
+        done = (await c.post("/v1/completions", json=body)).json()
+        _check_prompt_logprobs(done["choices"][0]["prompt_logprobs"], prompt, 2, files)
+        # Chat shows them once, on the response, for the rendered prompt.
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2, "prompt_logprobs": 0}
+        done = (await c.post("/v1/chat/completions", json=body)).json()
+        rendered = files.encode(files.render_chat([dict(m) for m in QUESTION]), add_special_tokens=False)
+        _check_prompt_logprobs(done["prompt_logprobs"], rendered, 0, files)
+        assert "prompt_logprobs" not in done["choices"][0]
+        plain = (await c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})).json()
+        assert "prompt_logprobs" not in plain["choices"][0]
 
 
 async def test_tokenize_and_detokenize_round_trip(stack: Stack, files: ModelFiles) -> None:

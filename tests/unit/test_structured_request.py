@@ -161,7 +161,6 @@ async def test_sampling_extensions_are_checked(pre: Preprocessor, fields: dict[s
         ("web_search_options", {}),
         ("reasoning_effort", "low"),
         ("verbosity", "low"),
-        ("prompt_logprobs", 1),
         ("use_beam_search", True),
         ("include_stop_str_in_output", True),
         ("bad_words", ["x"]),
@@ -181,6 +180,20 @@ async def test_what_ferry_does_not_do_is_a_400_naming_the_field(
     err = await refused(pre, **{field: value})
     assert (err.param, err.code) == (field, "unsupported_parameter")
     assert err.body().error.type == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "fields", [{"prompt_logprobs": -1}, {"prompt_logprobs": 21}, {"prompt_logprobs": 1, "stream": True}]
+)
+async def test_prompt_logprobs_are_bounded_and_not_streamed(
+    pre: Preprocessor, fields: dict[str, object]
+) -> None:
+    assert (await refused(pre, **fields)).param == "prompt_logprobs"
+
+
+async def test_prompt_logprobs_reach_the_worker(pre: Preprocessor) -> None:
+    assert (await completion(pre, prompt_logprobs=3)).sampling.prompt_logprobs == 3
+    assert (await chat(pre)).sampling.prompt_logprobs is None
 
 
 async def test_unknown_fields_inside_objects_are_named_with_their_path(pre: Preprocessor) -> None:

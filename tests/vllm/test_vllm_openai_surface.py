@@ -100,6 +100,26 @@ async def test_tokenize_counts_what_generation_counts(vllm_stack: VllmStack) -> 
         assert "capital of France" in back
 
 
+async def test_prompt_logprobs_agree_with_the_sampled_tokens(vllm_stack: VllmStack) -> None:
+    """The model's logprob of a greedy token is the same whether it was sampled or read back in the prompt."""
+    async with httpx.AsyncClient(base_url=vllm_stack.url, timeout=300) as c:
+        prompt = (await c.post("/tokenize", json={"model": BASE, "prompt": "The capital of France is"})).json()
+        body = {"model": BASE, "prompt": prompt["tokens"], "max_tokens": 1, "temperature": 0, "logprobs": 1}
+        r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text + await vllm_stack.diagnose("vllm-1")
+        said = r.json()["choices"][0]["logprobs"]
+        again = {"model": BASE, "prompt": said["tokens"][0], "add_special_tokens": False}
+        token = (await c.post("/tokenize", json=again)).json()["tokens"]
+        assert len(token) == 1
+        body = {"model": BASE, "prompt": prompt["tokens"] + token, "max_tokens": 1, "prompt_logprobs": 2}
+        r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text + await vllm_stack.diagnose("vllm-1")
+        read = r.json()["choices"][0]["prompt_logprobs"]
+        assert read[0] is None and len(read) == len(prompt["tokens"]) + 1
+        last = read[-1][str(token[0])]
+        assert last["rank"] == 1 and last["logprob"] == pytest.approx(said["token_logprobs"][0], abs=0.05)
+
+
 async def test_vllm_lora_paths_load_and_unload(vllm_stack: VllmStack, model_path: Path, tmp_path: Path) -> None:
     adapter = await asyncio.to_thread(make_adapter, model_path, tmp_path / "surface-lora")
     async with httpx.AsyncClient(base_url=vllm_stack.url, timeout=300) as c:
