@@ -78,6 +78,32 @@ def per_minute(outcomes: list[Outcome], minutes: int) -> list[dict[str, Any]]:
     return rows
 
 
+def cpu_per_request(samples: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Per minute, CPU milliseconds each process spent per finished request, and the machine's load average.
+
+    Unlike tokens/s, this does not move when other jobs take the cores: a process that does more work per
+    request as the run goes on drifts here even on a busy machine."""
+    cpu_s: list[dict[str, float]] = [{} for _ in rows]
+    load: list[list[float]] = [[] for _ in rows]
+    prev_t = 0.0
+    for s in samples:
+        m = int((s["t"] + prev_t) / 2 // 60)  # the minute the sample's interval mostly lies in
+        if 0 <= m < len(rows):
+            for role, proc in s["processes"].items():
+                cpu_s[m][role] = cpu_s[m].get(role, 0.0) + proc["cpu_pct"] / 100.0 * (s["t"] - prev_t)
+            if "loadavg_1m" in s:
+                load[m].append(s["loadavg_1m"])
+        prev_t = s["t"]
+    out: list[dict[str, float]] = []
+    for m, row in enumerate(rows):
+        n = max(row["requests"], 1)
+        d = {role: round(1000.0 * v / n, 2) for role, v in sorted(cpu_s[m].items())}
+        if load[m]:
+            d["loadavg_1m"] = round(float(np.mean(load[m])), 2)
+        out.append(d)
+    return out
+
+
 def rss_slopes(samples: list[dict[str, Any]], settle_min: float) -> dict[str, float | None]:
     """Least-squares slope of every process's RSS after `settle_min` minutes, MB per minute."""
     series: dict[str, tuple[list[float], list[float]]] = {}

@@ -20,7 +20,17 @@ import msgspec
 import psutil
 
 from bench.overhead import hotspots, machine_info, py_spy_binary
-from bench.soak.report import Outcome, Windows, per_minute, plot, print_summary, rss_slopes, stalls, targets
+from bench.soak.report import (
+    Outcome,
+    Windows,
+    cpu_per_request,
+    per_minute,
+    plot,
+    print_summary,
+    rss_slopes,
+    stalls,
+    targets,
+)
 from bench.sse_client import Connection, stream_stats
 from bench.stack import FerryStack
 
@@ -192,6 +202,7 @@ class Sampler:
                     "cpu_pct": round(100 * cpu_delta / wall, 1),
                 }
         row["client_rss_mb"] = round(psutil.Process().memory_info().rss / 2**20, 1)
+        row["loadavg_1m"] = round(os.getloadavg()[0], 2)
         self.samples.append(row)
 
     async def run(self, period_s: float, stop: asyncio.Event) -> None:
@@ -343,6 +354,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "per_minute": rows,
         "rss_slope_mb_per_min": slopes,
         "cpu_percent_mean": cpu_mean,
+        "cpu_ms_per_request": cpu_per_request(sampler.samples, rows),
         "targets": targets(rows, slopes, win),
         "stalls": stalls(load.outcomes, log.lines, args.stall_ms / 1000.0),
         "log": str(args.log),

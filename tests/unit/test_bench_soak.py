@@ -2,7 +2,7 @@
 
 import math
 
-from bench.soak.report import Outcome, Windows, per_minute, rss_slopes, stalls, targets
+from bench.soak.report import Outcome, Windows, cpu_per_request, per_minute, rss_slopes, stalls, targets
 
 
 def _steady(minutes: int, per_min: int, tokens: int, ttft: float) -> list[Outcome]:
@@ -61,3 +61,14 @@ def test_stalls_merge_into_episodes_with_their_log_lines() -> None:
     eps = stalls([*slow, Outcome(11.0, 11.5, 0.01, True, 1)], log, threshold_s=1.0)
     assert [(e["requests"], e["worst_ttft_ms"]) for e in eps] == [(2, 1500.0), (1, 1100.0)]
     assert "new requests reply" in eps[0]["log"][0] and "deleted" in eps[1]["log"][0]
+
+
+def test_cpu_per_request_divides_each_minutes_cpu_by_its_requests() -> None:
+    rows = per_minute(_steady(2, 60, 100, 0.05) + _steady(1, 30, 100, 0.05), 2)  # 90 requests end in minute 0
+    samples = [{"t": float(t), "processes": {"frontend": {"rss_mb": 1.0, "cpu_pct": 50.0}}, "loadavg_1m": 2.0}
+               for t in range(5, 125, 5)]  # fmt: skip
+    got = cpu_per_request(samples, rows)
+    # Each minute: 60 s at half a core, over 90 and then 60 requests.
+    assert got[0]["frontend"] == round(1000.0 * 0.5 * 60 / 90, 2)
+    assert got[1]["frontend"] == round(1000.0 * 0.5 * 60 / 60, 2)
+    assert got[1]["loadavg_1m"] == 2.0
