@@ -73,7 +73,13 @@ class Load:
         self.issued = 0
         self.outcomes: list[Outcome] = []
         self.shed = 0  # open loop: arrivals dropped because the in-flight cap was reached
+        self.stack_exited_at: float | None = None
         self._idle: list[Connection] = []
+
+    async def watch_stack(self) -> None:
+        """Stop issuing requests once `ferry up` has exited (a dead stack would fail every request at once)."""
+        await self.stack.child.proc.wait()
+        self.stack_exited_at = time.perf_counter() - self.t0
 
     async def one(self, conn: Connection) -> None:
         """Issue one request on `conn` and record it."""
@@ -88,10 +94,15 @@ class Load:
             )
         except (OSError, TimeoutError) as exc:
             o = Outcome(started - self.t0, time.perf_counter() - self.t0, math.nan, False, 0, repr(exc))
+            await asyncio.sleep(0.5)  # the frontend is unreachable: do not spin
         self.outcomes.append(o)
 
     def _more(self, deadline: float) -> bool:
-        return self.issued < self.max_requests and time.perf_counter() < deadline
+        return (
+            self.issued < self.max_requests
+            and time.perf_counter() < deadline
+            and self.stack_exited_at is None
+        )
 
     async def closed(self, concurrency: int, deadline: float) -> None:
         """`concurrency` users, each streaming one request after another on its own connection."""
@@ -283,6 +294,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         model = await served_model(stack)
         body = make_body(model, args.prompt_words, args.max_tokens)
         capacity: dict[str, Any] | None = None
+        if args.warmup_requests:  # a cold engine's first steps are slow (vLLM on CPU: seconds): not measured
+            t = time.perf_counter()
+            warm = Load(stack, body, t, args.warmup_requests)
+            await warm.closed(2, t + 300.0)
+            print(
+                f"warm-up: {args.warmup_requests} requests in {time.perf_counter() - t:.1f} s",
+                file=sys.stderr,
+            )
         if args.concurrency:
             load_desc = f"{args.concurrency} streams back to back"
         else:
@@ -300,6 +319,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         stop = asyncio.Event()
         sampling = asyncio.ensure_future(sampler.run(args.sample_s, stop))
         load = Load(stack, body, t0, args.max_requests)
+        watch = asyncio.ensure_future(load.watch_stack())
         deadline = t0 + args.minutes * 60.0
         profiling = [asyncio.ensure_future(_profile_at(stack, t0 + m * 60.0, args, f"min{m:g}"))
                      for m in args.profile_at]  # fmt: skip
@@ -309,6 +329,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             await load.open(rate, args.open_loop_cap, deadline)
         progress.cancel()
+        watch.cancel()
+        if load.stack_exited_at is not None:
+            print(
+                f"ferry up exited {load.stack_exited_at:.0f} s into the load; see {args.log}", file=sys.stderr
+            )
         for fut in profiling:
             fut.cancel() if not fut.done() else profiles.update(fut.result())
         stop.set()
@@ -349,6 +374,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "wall_s": round(wall, 1),
         "requests": len(load.outcomes),
         "shed_by_client": load.shed,
+        "stack_exited_at_s": None if load.stack_exited_at is None else round(load.stack_exited_at, 1),
         "errors": sorted({o.error or "?" for o in load.outcomes if not o.ok})[:10],
         "windows": {"window_min": win.window_min, "settle_min": win.settle_min},
         "per_minute": rows,
@@ -408,6 +434,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--open-loop-cap", type=int, default=64, help="most requests in flight in open loop (default 64)"
+    )
+    p.add_argument(
+        "--warmup-requests", type=int, default=8, help="unmeasured requests first, 2 at a time (default 8)"
     )
     p.add_argument("--max-requests", type=int, default=5_000_000, help="most requests of the soak")
     p.add_argument("--prompt-words", type=int, default=100, help="words per prompt (default 100)")
