@@ -211,6 +211,10 @@ def print_summary(doc: dict[str, Any]) -> None:
     print(
         "CPU % of one core, mean over the run: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(cpu.items()))
     )
+    if doc.get("stack_exited_at_s") is not None:
+        print(
+            f"WARNING: ferry up exited {doc['stack_exited_at_s']:.0f} s into the load; the load stopped there"
+        )
     for t in doc["targets"]:
         print(
             f"target {t['name']}: {t['value']} (want {t['op']} {t['target']}) -> {'MET' if t['met'] else 'MISSED'}"

@@ -150,7 +150,7 @@ class StampedLog(io.TextIOBase):
     def __init__(self, path: Path) -> None:
         self.t0 = time.perf_counter()
         self.lines: list[tuple[float, str]] = []
-        self._fh = open(path, "w")
+        self._fh = open(path, "w", buffering=1)  # line by line: a killed run keeps its log
 
     def write(self, s: str) -> int:
         """Keep every line with its time."""
