@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -285,6 +286,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         extra = [*VLLM_FLAGS, "--ready-timeout-s", "600", *extra]
     if args.resume_ttl_s is not None:
         os.environ["FERRY_RESUME_TTL_S"] = str(args.resume_ttl_s)
+    # `timeout` or a kill sends SIGTERM: cancel the run, so the stack below is still stopped.
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
     log = StampedLog(args.log)
     stack = await FerryStack.start(args.workers, args.speedup, extra, timeout_s=600.0)
     stack.child.log = log  # type: ignore[assignment]  # a TextIO in all but name
