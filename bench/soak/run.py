@@ -146,7 +146,7 @@ class Load:
 
 
 class StampedLog(io.TextIOBase):
-    """The stack's output lines, each kept with its time since the load started (before it: negative)."""
+    """The stack's output lines with their time: since the load started, or before it since the stack started."""
 
     def __init__(self, path: Path) -> None:
         self.t0 = time.perf_counter()
