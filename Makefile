@@ -9,7 +9,7 @@ LOG    := $(VENV)/install.log
 FERRY  := $(VENV)/bin/ferry
 MODEL_STAMP := $(VENV)/.ferry-model
 
-.PHONY: run test lint setup model prometheus clean bench-setup bench-overhead bench-clients
+.PHONY: run test lint setup model prometheus clean bench-setup bench-overhead bench-clients bench-soak
 
 # The real model through the whole system: one vLLM worker on the CPU (block size: a multiple of 32). Its own
 # chat template cannot show tools, so it gets the hermes one Ferry ships (and the parser of that format).
@@ -74,6 +74,10 @@ $(BENCH_STAMP): $(STAMP)
 
 bench-overhead: model bench-setup
 	$(PY) -m bench.overhead $(ARGS)
+
+# Sustained load for an hour (ARGS=--smoke: 10 minutes; ARGS="--engine vllm": the real engine, 15 minutes).
+bench-soak: model bench-setup
+	$(PY) -m bench.soak $(ARGS)
 
 # vllm bench serve and aiperf (installed into its own venv under $FERRY_HOME/peers) against Ferry and vLLM.
 bench-clients: model bench-setup

@@ -16,7 +16,9 @@ class ApproxIndex:
         # (model, hash) -> {worker: expiry}; ordered by last write so the oldest go first.
         self._blocks: OrderedDict[tuple[str, int], dict[str, float]] = OrderedDict()
 
-    def record(self, model: str, worker_id: str, block_hashes: Sequence[int], now: float | None = None) -> None:
+    def record(
+        self, model: str, worker_id: str, block_hashes: Sequence[int], now: float | None = None
+    ) -> None:
         """Remember that `worker_id` will hold these blocks."""
         now = time.monotonic() if now is None else now
         expiry = now + self._ttl_s
@@ -30,6 +32,21 @@ class ApproxIndex:
             holders[worker_id] = expiry
         while len(self._blocks) > self._max:
             self._blocks.popitem(last=False)
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        # Every write sets an expiry of now + ttl and moves its key to the end, so the first key's latest
+        # expiry is the earliest of all: drop from the front while it has passed. Without this, blocks of
+        # prompts seen once stay until `max_blocks` (a frontend's memory and its GC passes grow for an hour).
+        while self._blocks:
+            holders = next(iter(self._blocks.values()))
+            if holders and max(holders.values()) > now:
+                break
+            self._blocks.popitem(last=False)
+
+    def __len__(self) -> int:
+        """Blocks remembered (some may have expired but not been dropped yet)."""
+        return len(self._blocks)
 
     def overlaps(self, model: str, block_hashes: Sequence[int], now: float | None = None) -> dict[str, int]:
         """Leading blocks of the chain each worker is believed to hold."""
