@@ -1,10 +1,12 @@
-"""Canary health checks: a worker whose engine stops producing tokens while still passing check_health
-leaves routing and its KV index entries, its streams move to another worker, and it exits with 1."""
+"""An engine that stops producing tokens (caught by the canary, though it passes check_health) or dies takes
+its worker out as a dead worker: it leaves routing and its KV index entries, its streams move to another
+worker and finish there with no error, and it exits with 1."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
@@ -12,7 +14,8 @@ import redis.asyncio as aioredis
 
 from kvstore.registry import Registry
 from schemas.names import RedisKeys
-from tests.harness import Harness, sse_events
+from server.frontend import Frontend
+from tests.harness import Harness, sse_events, until
 from workers.engine import EngineDead
 from workers.sim import SimEngine
 
@@ -43,6 +46,31 @@ async def test_a_healthy_engine_answers_the_canary(h: Harness) -> None:
     engine.hung = False
 
 
+async def _stream_with_fault(
+    url: str, victim_id: str, fault: Callable[[], Awaitable[None]]
+) -> tuple[list[tuple[str | None, str]], str]:
+    """Stream BODY from the victim, calling `fault` after the third event; the events and the text."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        async with c.stream("POST", "/v1/chat/completions", json=BODY) as r:
+            assert r.headers.get("x-ferry-worker") == victim_id, (r.status_code, await r.aread())
+            events = []
+            async with asyncio.timeout(30):  # never a hang
+                async for e in sse_events(r):
+                    events.append(e)
+                    if len(events) == 3:
+                        await fault()
+    assert not any('"error"' in d for _, d in events), events[-3:]
+    chunks = [json.loads(d) for _, d in events if d != "[DONE]"]
+    text = "".join(ch["delta"].get("content", "") for c in chunks for ch in c.get("choices", []))
+    assert text and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    return events, text
+
+
+async def _gone(redis: aioredis.Redis, keys: RedisKeys, worker_id: str) -> bool:
+    live, _ = await Registry(redis, keys).snapshot()
+    return worker_id not in {w.worker_id for w in live}
+
+
 async def test_hung_engine_is_caught_and_its_stream_moves(h: Harness, redis_url: str, prefix: str) -> None:
     # Speed 1 (real-time steps) on the victim, so the stream is still running when the engine hangs.
     victim = await h.add_worker(canary_wait_s=0.3, canary_timeout_s=0.5, speedup=1.0)
@@ -52,35 +80,56 @@ async def test_hung_engine_is_caught_and_its_stream_moves(h: Harness, redis_url:
     vid = victim.worker.settings.worker_id
     redis = aioredis.from_url(redis_url)
     keys = RedisKeys(prefix)
+
+    async def hang() -> None:
+        assert await redis.exists(keys.worker_blocks(vid))
+        # Steps stop; check_health still passes. A healthy worker joins to take it over.
+        engine.hung = True
+        await engine.check_health()
+        await h.add_worker(canary_wait_s=0)
+
     try:
-        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-            async with c.stream("POST", "/v1/chat/completions", json=BODY) as r:
-                assert r.headers.get("x-ferry-worker") == vid, (r.status_code, await r.aread())
-                events = []
-                async with asyncio.timeout(30):  # never a hang
-                    async for e in sse_events(r):
-                        events.append(e)
-                        if len(events) == 3:
-                            assert await redis.exists(keys.worker_blocks(vid))
-                            # Steps stop; check_health still passes. A healthy worker joins to take it over.
-                            engine.hung = True
-                            await engine.check_health()
-                            await h.add_worker(canary_wait_s=0)
+        await _stream_with_fault(url, vid, hang)
         assert await asyncio.wait_for(victim.task, 30) == 1  # exits non-zero, for its supervisor
         assert isinstance(victim.worker._fatal, Exception) and "canary" in str(victim.worker._fatal)
-        live, _ = await Registry(redis, keys).snapshot()
-        assert vid not in {w.worker_id for w in live}
+        assert await _gone(redis, keys, vid)
         assert not await redis.exists(keys.worker_blocks(vid))  # its KV index entries are gone
-        text = "".join(
-            ch["delta"].get("content", "")
-            for _, d in events
-            if d != "[DONE]"
-            for ch in json.loads(d).get("choices", [])
-        )
-        assert not any('"error"' in d for _, d in events), events[-3:]
-        assert text
-        finals = [json.loads(d)["choices"][0]["finish_reason"] for _, d in events if d != "[DONE]"]
-        assert finals[-1] == "length"
         assert fe.metrics.worker_failures._value.get() >= 1  # the stream moved
     finally:
         await redis.aclose()
+
+
+async def test_a_dead_engines_stream_finishes_on_another_worker(h: Harness, redis_url: str, prefix: str) -> None:
+    """A dead engine (its step loop gone, as when vLLM's EngineCore exits) takes its worker out as a dead
+    worker: no client sees an `engine_dead` error, the stream finishes on another worker."""
+    # No canary: the death itself must be what takes the worker out. Slow heartbeats: on a loaded host a
+    # missed one must not pass for the death (leaving is immediate).
+    victim = await h.add_worker(canary_wait_s=0, speedup=1.0, heartbeat_interval_s=2.0)
+    fe, url = await h.add_frontend()
+    await until(lambda: _sees(fe, victim.worker.settings.worker_id), 10)
+    engine = victim.worker.engine
+    assert isinstance(engine, SimEngine)
+    vid = victim.worker.settings.worker_id
+    redis = aioredis.from_url(redis_url)
+    rescuers = []
+
+    async def crash() -> None:
+        # A healthy worker joins to take the stream over; then the engine dies.
+        rescuers.append(await h.add_worker(canary_wait_s=0, heartbeat_interval_s=2.0))
+        engine.crash = True
+
+    try:
+        await _stream_with_fault(url, vid, crash)
+        assert await asyncio.wait_for(victim.task, 30) == 1  # exits non-zero, for its supervisor
+        assert isinstance(victim.worker._fatal, EngineDead) and "crash" in str(victim.worker._fatal)
+        assert await _gone(redis, RedisKeys(prefix), vid)
+        assert fe.metrics.migrations.labels("worker_died", "moved")._value.get() == 1
+        # The rest of the stream was generated on the rescuer.
+        assert rescuers[0].worker.metrics.generated_tokens._value.get() > 0
+    finally:
+        await redis.aclose()
+
+
+async def _sees(fe: Frontend, worker_id: str) -> bool:
+    await fe.svc.pool.refresh()
+    return worker_id in fe.svc.pool.workers
