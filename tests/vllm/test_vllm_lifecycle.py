@@ -123,7 +123,7 @@ async def test_engine_death_takes_the_worker_out(vllm_stack: VllmStack) -> None:
                 "the worker did not exit after its engine died; its last lines:\n" + "\n".join(child.tail)
             )
         assert rc != 0
-        # No last word, as from a dead worker: a frontend moves the sequence (test_engine_death.py).
+        # No last word, as from a dead worker: a frontend moves the sequence (tests/integration/test_canary.py).
         rest = await consumer.getmany(tp, timeout_ms=1000)
         chunks += [c for rec in rest.get(tp, []) for c in chunks_of(reply_decoder.decode(rec.value))]
         assert all(c.finish_reason is None for c in chunks), msgspec.json.encode(chunks[-1])
