@@ -69,6 +69,8 @@ def engine_settings(block_size: int, max_num_seqs: int) -> dict[str, Any]:
         "seed": cpu["seed"],
         "enable_prefix_caching": True,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        # Ferry's worker turns torch.compile off on CPU (workers/vllm_config.cpu_torch_compile_off).
+        "TORCHDYNAMO_DISABLE": "1",
     }
 
 
@@ -116,7 +118,7 @@ async def start_ferry(name: str, extra: list[str], timeout_s: float) -> Server:
 async def start_vllm_server(engine: dict[str, Any], model_dir: Path, timeout_s: float) -> Server:
     """vLLM's own server; ready when uvicorn says the application started."""
     port = free_port()
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": engine["VLLM_ENABLE_V1_MULTIPROCESSING"]}
+    env = {k: engine[k] for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "TORCHDYNAMO_DISABLE")}
     child = await Child.spawn(VLLM_SERVER, vllm_server_argv(engine, model_dir, port), echo=False, env=env)
     try:
         await child.wait_for_line(lambda line: "Application startup complete" in line, timeout_s)
