@@ -44,7 +44,7 @@ async def start_offset(boot: str, topic: str) -> int | None:
     try:
         tp = TopicPartition(topic, 0)
         return (await c.beginning_offsets([tp]))[tp]
-    except Exception as e:  # noqa: BLE001 - a probe reports what the broker says
+    except Exception as e:
         print(f"  beginning_offsets failed: {e!r}")
         return None
     finally:
@@ -56,7 +56,10 @@ async def report(child: Child, boot: str, producer: AIOKafkaProducer, topic: str
     await asyncio.sleep(1)
     ms = await broker_ms_per_round_trip(child, boot, producer, topic, 30)
     start = await start_offset(boot, topic)
-    print(f"{label:45s} rss {rss_mb(child.proc.pid):7.1f} MB  start offset {start}  {ms:.2f} ms/round trip", flush=True)
+    print(
+        f"{label:45s} rss {rss_mb(child.proc.pid):7.1f} MB  start offset {start}  {ms:.2f} ms/round trip",
+        flush=True,
+    )
 
 
 async def main(records: int, size: int) -> None:
@@ -68,8 +71,21 @@ async def main(records: int, size: int) -> None:
     await producer.start()
     try:
         print(f"broker at start: rss {rss_mb(child.proc.pid):.1f} MB")
-        await admin.create_topics([NewTopic("t", 1, 1), NewTopic("r", 1, 1, topic_configs={
-            "retention.ms": "2000", "retention.bytes": "100000", "cleanup.policy": "delete"})])
+        await admin.create_topics(
+            [
+                NewTopic("t", 1, 1),
+                NewTopic(
+                    "r",
+                    1,
+                    1,
+                    topic_configs={
+                        "retention.ms": "2000",
+                        "retention.bytes": "100000",
+                        "cleanup.policy": "delete",
+                    },
+                ),
+            ]
+        )
         await fill(producer, "t", records, size)
         await report(child, boot, producer, "t", f"after {records} records")
 
@@ -79,22 +95,33 @@ async def main(records: int, size: int) -> None:
         try:
             res = await asyncio.wait_for(admin.delete_records({tp: RecordsToDelete(records - 100)}), 10)
             print(f"  delete_records -> {res} in {time.monotonic() - t0:.2f}s")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             print(f"  delete_records failed after {time.monotonic() - t0:.2f}s: {e!r}")
         await report(child, boot, producer, "t", "after delete_records(end - 100)")
 
         # 2. Retention configs: set at creation on `r`, and altered on `t`.
         try:
             desc = await asyncio.wait_for(
-                admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, "r")]), 10)
+                admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, "r")]), 10
+            )
             print(f"  describe_configs(r) -> {desc}")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             print(f"  describe_configs failed: {e!r}")
         try:
-            res2 = await asyncio.wait_for(admin.alter_configs([ConfigResource(
-                ConfigResourceType.TOPIC, "t", {"retention.ms": "2000", "retention.bytes": "100000"})]), 10)
+            res2 = await asyncio.wait_for(
+                admin.alter_configs(
+                    [
+                        ConfigResource(
+                            ConfigResourceType.TOPIC,
+                            "t",
+                            {"retention.ms": "2000", "retention.bytes": "100000"},
+                        )
+                    ]
+                ),
+                10,
+            )
             print(f"  alter_configs(t) -> {res2}")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             print(f"  alter_configs failed: {e!r}")
         await fill(producer, "r", records, size)
         await report(child, boot, producer, "r", f"`r` (retention 2 s / 100 kB) after {records}")

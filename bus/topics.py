@@ -1,12 +1,15 @@
-"""Topic admin: creating and deleting topics."""
+"""Topic admin: creating topics (with their retention configs) and deleting them; rolled request topics."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
+
+from schemas.names import request_epoch, request_topic
 
 
 @contextlib.asynccontextmanager
@@ -19,15 +22,80 @@ async def _admin(bootstrap: str) -> AsyncIterator[AIOKafkaAdminClient]:
         await admin.close()
 
 
-async def ensure_topics(bootstrap: str, topics: dict[str, int]) -> None:
-    """Create each topic with its number of partitions unless it exists."""
+def retention(seconds: float, max_bytes: int = -1) -> dict[str, str]:
+    """Topic configs under which Kafka deletes records older than `seconds` (<= 0: never) or beyond
+    `max_bytes` per partition (-1: no size bound).
+
+    Apache Kafka enforces them; the embedded broker stores and describes them but never deletes a record
+    (docs/architecture.md, broker quirk "no DeleteRecords, no retention"), so there Ferry rolls topics.
+    """
+    ms = int(seconds * 1000) if seconds > 0 else -1
+    return {"cleanup.policy": "delete", "retention.ms": str(ms), "retention.bytes": str(max_bytes)}
+
+
+async def ensure_topics(
+    bootstrap: str, topics: dict[str, int], configs: dict[str, str] | None = None
+) -> None:
+    """Create each topic with its number of partitions (and `configs`) unless it exists.
+
+    An existing topic keeps the configs it has: changing them is an operator's decision.
+    """
     async with _admin(bootstrap) as admin:
         for topic, partitions in topics.items():
             with contextlib.suppress(TopicAlreadyExistsError):
-                await admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
+                await admin.create_topics(
+                    [
+                        NewTopic(
+                            topic,
+                            num_partitions=partitions,
+                            replication_factor=1,
+                            topic_configs=configs or {},
+                        )
+                    ]
+                )
 
 
 async def delete_topics(bootstrap: str, topics: list[str]) -> None:
     """Delete topics (those already gone are fine)."""
     async with _admin(bootstrap) as admin:
         await admin.delete_topics(topics)
+
+
+class RequestTopics:
+    """Which request topic of a worker is current, by the wall clock.
+
+    With `roll_s` > 0, requests to a worker go to `ferry.requests.<worker>.e<epoch>`, the epoch being
+    the Unix time divided by `roll_s`: frontends and the worker agree on it without talking (their clocks
+    must agree to well within `roll_s`). The worker reads a window of epochs (`LAG` back, one ahead) and
+    deletes the topics behind it once read, so a partition never holds more than a few epochs of requests
+    (docs/architecture.md, broker quirk "slow long partitions"). `roll_s` = 0: one topic per worker.
+    """
+
+    # Epochs behind the current one a worker still reads: a frontend whose clock lags writes there.
+    LAG = 2
+
+    def __init__(self, roll_s: float, clock: Callable[[], float] = time.time) -> None:
+        self.roll_s = roll_s
+        self._clock = clock
+
+    def epoch(self) -> int | None:
+        """The current epoch (None without rolling)."""
+        if self.roll_s <= 0:
+            return None
+        return int(self._clock() // self.roll_s)
+
+    def current(self, worker_id: str) -> str:
+        """The topic a request to `worker_id` goes to now."""
+        return request_topic(worker_id, self.epoch())
+
+    def window(self, worker_id: str) -> list[str]:
+        """The topics a worker reads now, oldest first."""
+        e = self.epoch()
+        if e is None:
+            return [request_topic(worker_id)]
+        return [request_topic(worker_id, n) for n in range(e - self.LAG, e + 2)]
+
+    def behind(self, topic: str) -> bool:
+        """True for a rolled topic older than the window: nobody writes there any more."""
+        e, t = self.epoch(), request_epoch(topic)
+        return e is not None and t is not None and t < e - self.LAG

@@ -13,12 +13,12 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from bus.produce import refresh_metadata
-from bus.topics import ensure_topics
+from bus.topics import ensure_topics, retention
 from kvstore.batch_store import BatchStore
 from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
 from schemas.kafka import ErrorInfo, GenerateRequest
-from schemas.names import RedisKeys, pool_topic, request_topic
+from schemas.names import RedisKeys, pool_topic
 from schemas.settings import WorkerSettings
 from workers.canary import Canary, CanaryFailed
 from workers.engine import Engine
@@ -47,7 +47,6 @@ class Worker:
         self.engine = engine
         self.engine_name = engine_name
         self.metrics = WorkerMetrics()
-        self.topic = request_topic(s.worker_id)
         self._redis = aioredis.from_url(s.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
         keys = RedisKeys(s.redis_prefix)
         index = self._index = KVIndex(self._redis, keys)
@@ -61,9 +60,11 @@ class Worker:
         self.lora = LoraControl(engine, s.worker_id, self.heartbeat.once, self._outbox.send_ack)
         self.ops = EngineOps(engine, s.worker_id, self.heartbeat, index, self.serving.idle, s.drain_grace_s)
         self.lora.engine_ops = self.ops.apply
-        self._inbox = Inbox(s, self.topic, self.serving, self.lora, self.metrics, self._set_fatal, self._log_lost)
+        self._inbox = Inbox(s, self.serving, self.lora, self.metrics, self._set_fatal, self._log_lost)
         # A tiny real generation now and then: an engine that answers health checks but no longer steps.
-        generated = lambda: self.metrics.registry.get_sample_value("ferry_worker_generated_tokens_total") or 0.0  # noqa: E731
+        generated = lambda: (
+            self.metrics.registry.get_sample_value("ferry_worker_generated_tokens_total") or 0.0
+        )  # noqa: E731
         self.canary = Canary(engine, s.served_model_name, s.worker_id, self.serving.idle, generated,
                              s.canary_wait_s, s.canary_timeout_s)  # fmt: skip
         self.canary.paused = lambda: self.ops.sleeping
@@ -81,20 +82,27 @@ class Worker:
     async def run(self, shutdown: asyncio.Event) -> int:
         """Serve until `shutdown` is set, then drain; the return value is the process exit code."""
         s = self.settings
-        self.heartbeat.metrics_url = self.metrics.serve(s.metrics_host, s.metrics_port, s.served_model_name, s.worker_id)
+        self.heartbeat.metrics_url = self.metrics.serve(
+            s.metrics_host, s.metrics_port, s.served_model_name, s.worker_id
+        )
         self.heartbeat.readers.append(self._inbox.reader)
         tasks: list[asyncio.Task[None]] = []
         try:
             # Inside the try: a start that fails (broker down) must still stop the engine and the clients.
             await self.engine.start()
-            await ensure_topics(s.kafka, {self.topic: 1})
             await self._producer.start()
             await self._inbox.open()
             if s.pool:
-                await ensure_topics(s.kafka, {pool_topic(s.served_model_name): s.pool_partitions})
+                await ensure_topics(
+                    s.kafka,
+                    {pool_topic(s.served_model_name): s.pool_partitions},
+                    retention(s.kafka_batch_retention_s, s.kafka_retention_bytes),
+                )
                 store = BatchStore(self._redis, RedisKeys(s.redis_prefix))
                 self.pool = PoolConsumer(s, self, store, self.metrics.registry)
-                self._outbox.coalesce_with(self.pool.coalesce)  # batch sequences send their output once, whole
+                self._outbox.coalesce_with(
+                    self.pool.coalesce
+                )  # batch sequences send their output once, whole
                 await self.pool.start()
                 self.heartbeat.readers.append(self.pool.reader)
             # A previous process under this id may have left index entries its cache no longer backs.
@@ -106,7 +114,11 @@ class Worker:
             print(f"{READY_MARK} {s.worker_id}", file=sys.stderr, flush=True)
             log.info(
                 "worker %s ready: engine=%s model=%s topic=%s metrics=%s",
-                s.worker_id, self.engine_name, s.served_model_name, self.topic, self.heartbeat.metrics_url,
+                s.worker_id,
+                self.engine_name,
+                s.served_model_name,
+                self._inbox.topics.current(s.worker_id),
+                self.heartbeat.metrics_url,
             )
             self._inbox.reader.run()
             tasks = [
@@ -170,7 +182,12 @@ class Worker:
                     async with asyncio.timeout(CLOSE_STEP_S):
                         await close()
                 except TimeoutError:
-                    log.warning("worker %s: %r did not close within %.0fs", self.settings.worker_id, close, CLOSE_STEP_S)
+                    log.warning(
+                        "worker %s: %r did not close within %.0fs",
+                        self.settings.worker_id,
+                        close,
+                        CLOSE_STEP_S,
+                    )
         log.info("worker %s stopped", self.settings.worker_id)
 
     async def _guard(self, name: str, coro: Awaitable[None]) -> None:
@@ -208,8 +225,12 @@ class Worker:
             try:
                 await asyncio.wait_for(self.idle.wait(), timeout=s.drain_grace_s)
             except TimeoutError:
-                log.warning("worker %s: grace period over, aborting %d request(s)", s.worker_id, len(self.serving))
-                await self.serving.fail_all(ErrorInfo("worker_stopped", "worker stopped before finishing", retriable=True))
+                log.warning(
+                    "worker %s: grace period over, aborting %d request(s)", s.worker_id, len(self.serving)
+                )
+                await self.serving.fail_all(
+                    ErrorInfo("worker_stopped", "worker stopped before finishing", retriable=True)
+                )
         if not await self._outbox.flush(10.0):
             log.warning("could not flush every reply before leaving")
         with contextlib.suppress(KafkaError, TimeoutError):
