@@ -1,9 +1,10 @@
-"""Producing: a send that survives the broker's one-off UnknownError, and refreshing a producer's metadata."""
+"""Producing: a send that survives the broker's one-off UnknownError; refreshing and pruning a producer's metadata."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import UnknownError
@@ -36,3 +37,20 @@ async def refresh_metadata(producer: AIOKafkaProducer, timeout_s: float = 5.0) -
     """
     with contextlib.suppress(Exception):
         await asyncio.wait_for(producer.client.force_metadata_update(), timeout_s)
+
+
+def forget_topics(producer: AIOKafkaProducer, stale: Callable[[str], bool]) -> None:
+    """Stop tracking the metadata of the topics `stale` picks (deleted ones, or soon to be).
+
+    aiokafka's client asks for the metadata of every topic its producer ever sent to, on every refresh and
+    whenever it meets a new topic; the embedded broker creates a topic anew when a client asks for it by
+    name, so a rolled topic deleted after use would come back, empty, for good (docs/architecture.md,
+    broker quirk "metadata re-creates topics"), and every metadata request would grow with the topics
+    rolled so far.
+    """
+    client = producer.client
+    tracked: set[str] = client._topics
+    drop = {t for t in tracked if stale(t)}
+    if drop:
+        # A non-empty subset triggers no metadata request (an empty set would mean "every topic").
+        client.set_topics(tracked - drop)

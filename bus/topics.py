@@ -76,13 +76,13 @@ class RequestTopics:
 
     def __init__(self, roll_s: float, clock: Callable[[], float] = time.time) -> None:
         self.roll_s = roll_s
-        self._clock = clock
+        self.clock = clock  # the wall clock (tests move it)
 
     def epoch(self) -> int | None:
         """The current epoch (None without rolling)."""
         if self.roll_s <= 0:
             return None
-        return int(self._clock() // self.roll_s)
+        return int(self.clock() // self.roll_s)
 
     def current(self, worker_id: str) -> str:
         """The topic a request to `worker_id` goes to now."""
@@ -95,7 +95,11 @@ class RequestTopics:
             return [request_topic(worker_id)]
         return [request_topic(worker_id, n) for n in range(e - self.LAG, e + 2)]
 
-    def behind(self, topic: str) -> bool:
-        """True for a rolled topic older than the window: nobody writes there any more."""
+    def behind(self, topic: str, margin: int = 0) -> bool:
+        """True for a rolled topic older than the window (less `margin` epochs): nobody writes there any more.
+
+        A worker deletes such a topic once it has read all of it, so a writer that wants its record read
+        (a cancel following its request) asks with a margin of an epoch for the clocks' difference.
+        """
         e, t = self.epoch(), request_epoch(topic)
-        return e is not None and t is not None and t < e - self.LAG
+        return e is not None and t is not None and t < e - self.LAG + margin

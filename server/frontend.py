@@ -122,6 +122,7 @@ class Background:
         task.add_done_callback(self.tasks.discard)
 
 
+
 async def _cancel_all(tasks: set[asyncio.Task[None]]) -> None:
     """Cancel resumable streams still running without a client (each cancels its sequences)."""
     pending = list(tasks)
@@ -148,9 +149,7 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
     )  # fmt: skip
     producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
     short = retention(s.kafka_request_retention_s, s.kafka_retention_bytes)  # request and admin topics
-    dispatcher = Dispatcher(
-        producer, s.kafka_timeout_s, metrics, RequestTopics(s.request_roll_s), short, s.kafka
-    )
+    dispatcher = Dispatcher(producer, s.kafka_timeout_s, metrics, RequestTopics(s.request_roll_s), short, s.kafka)
     background = Background()
     # Where a lost worker or a lost replies log is answered (server/migration.py).
     migrations = Migrations(
@@ -196,9 +195,7 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
         stack.push_async_callback(_timed, "request log reader", requests.stop)
         await requests.start()
         # Withdrawn after the view stops refreshing (which would announce it again).
-        stack.push_async_callback(
-            _timed, "frontend announcement", lambda: registry.withdraw_frontend(s.frontend_id)
-        )
+        stack.push_async_callback(_timed, "frontend announcement", lambda: registry.withdraw_frontend(s.frontend_id))
         await pool.start()
         stack.push_async_callback(_timed, "worker registry view", pool.stop)
         await ensure_topics(s.kafka, {acks.topic: 1}, short)  # with its retention, before the reader makes it
@@ -211,12 +208,7 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
         )  # fmt: skip
         log.info(
             "frontend %s serving %s on http://%s:%d (policy %s, %d worker(s) live)",
-            s.frontend_id,
-            s.served_model_name,
-            s.host,
-            s.port,
-            s.router_policy,
-            len(pool.workers),
+            s.frontend_id, s.served_model_name, s.host, s.port, s.router_policy, len(pool.workers),
         )
         yield fe
         log.info("frontend %s stopping", s.frontend_id)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from bus.produce import send_and_wait
+from bus.produce import forget_topics, send_and_wait
 from bus.reader import Batch, Hooks, Options, Poll, Reader, Tail
 from bus.topics import RequestTopics, delete_topics, ensure_topics
 from schemas.kafka import (
@@ -60,7 +60,7 @@ class Dispatcher:
         self._timeout_s = timeout_s
         self._metrics = metrics
         self._broker_ok = True
-        self._topics = topics or RequestTopics(0)
+        self.topics = topics or RequestTopics(0)  # which request topic is current
         self._configs = configs
         self._bootstrap = bootstrap
         self._created: set[str] = set()  # rolled topics known to exist
@@ -68,17 +68,20 @@ class Dispatcher:
 
     async def _topic(self, worker_id: str) -> str:
         """The topic a request to `worker_id` goes to now, created if this frontend has not yet."""
-        topic = self._topics.current(worker_id)
-        if self._topics.roll_s > 0 and topic not in self._created:
+        topic = self.topics.current(worker_id)
+        if self.topics.roll_s > 0 and topic not in self._created:
+            # Before the new topic makes the producer refresh its metadata: the topics its workers will
+            # delete must not be asked for (and so re-created) by that refresh.
+            forget_topics(self._producer, lambda t: self.topics.behind(t, margin=1))
             await ensure_topics(self._bootstrap, {topic: 1}, self._configs)
-            self._created = {t for t in self._created if not self._topics.behind(t)}
+            self._created = {t for t in self._created if not self.topics.behind(t)}
             self._created.add(topic)
         return topic
 
     def topic_of(self, worker_id: str, request_id: str) -> str | None:
         """The topic `request_id` was sent to; None once its worker has read and deleted that topic."""
-        topic = self._sent_to.get(request_id) or self._topics.current(worker_id)
-        return None if self._topics.behind(topic) else topic
+        topic = self._sent_to.get(request_id) or self.topics.current(worker_id)
+        return None if self.topics.behind(topic) else topic
 
     async def submit(self, worker_id: str, request: GenerateRequest, cancel_on_timeout: bool = True) -> int:
         """Hand one request to a worker; returns its offset in the worker's topic, 503 if the broker does not
@@ -148,7 +151,9 @@ class Dispatcher:
         """Ask a worker to abort a request; best effort (the worker also drops late requests)."""
         topic = self._sent_to.get(request_id)
         try:
-            if topic is None or self._topics.behind(topic):
+            # Behind the cancel goes to the current topic: its request was read long ago, and a topic behind
+            # the worker's window may be gone.
+            if topic is None or self.topics.behind(topic, margin=1):
                 topic = await self._topic(worker_id)
             await self._producer.send(
                 topic,

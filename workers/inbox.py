@@ -102,10 +102,16 @@ class Inbox:
         if new:
             await ensure_topics(self._kafka, dict.fromkeys(new, 1), self._configs)
         consumer = self.reader.consumer
+        paused = consumer.paused()
         ends = {tp.topic: (position, end) for tp, position, end in await positions_and_ends(consumer)}
         # A topic behind the window goes once everything in it was read (and so committed: the reader
-        # commits after every poll that brought records); one never fetched yet is read first.
-        done = [t for t in behind if t in ends and ends[t][0] >= ends[t][1]]
+        # commits after every poll that brought records); one never fetched yet, or paused (its end is
+        # not fetched), is read first.
+        done = [
+            t
+            for t in behind
+            if t in ends and ends[t][0] >= ends[t][1] and TopicPartition(t, 0) not in paused
+        ]
         if not new and not done:
             return
         keep = [t for t in self._window if t not in done]
@@ -118,6 +124,7 @@ class Inbox:
         consumer.assign(list({*positions, *(TopicPartition(t, 0) for t in new)}))
         for tp, offset in positions.items():
             consumer.seek(tp, offset)
+        consumer.pause(*paused)  # assign() resumes them
         self._window = [*keep, *new]
         if done:
             try:

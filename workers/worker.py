@@ -62,9 +62,7 @@ class Worker:
         self.lora.engine_ops = self.ops.apply
         self._inbox = Inbox(s, self.serving, self.lora, self.metrics, self._set_fatal, self._log_lost)
         # A tiny real generation now and then: an engine that answers health checks but no longer steps.
-        generated = lambda: (
-            self.metrics.registry.get_sample_value("ferry_worker_generated_tokens_total") or 0.0
-        )  # noqa: E731
+        generated = lambda: self.metrics.registry.get_sample_value("ferry_worker_generated_tokens_total") or 0.0  # noqa: E731
         self.canary = Canary(engine, s.served_model_name, s.worker_id, self.serving.idle, generated,
                              s.canary_wait_s, s.canary_timeout_s)  # fmt: skip
         self.canary.paused = lambda: self.ops.sleeping
@@ -82,9 +80,7 @@ class Worker:
     async def run(self, shutdown: asyncio.Event) -> int:
         """Serve until `shutdown` is set, then drain; the return value is the process exit code."""
         s = self.settings
-        self.heartbeat.metrics_url = self.metrics.serve(
-            s.metrics_host, s.metrics_port, s.served_model_name, s.worker_id
-        )
+        self.heartbeat.metrics_url = self.metrics.serve(s.metrics_host, s.metrics_port, s.served_model_name, s.worker_id)
         self.heartbeat.readers.append(self._inbox.reader)
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -93,16 +89,11 @@ class Worker:
             await self._producer.start()
             await self._inbox.open()
             if s.pool:
-                await ensure_topics(
-                    s.kafka,
-                    {pool_topic(s.served_model_name): s.pool_partitions},
-                    retention(s.kafka_batch_retention_s, s.kafka_retention_bytes),
-                )
+                batch_retention = retention(s.kafka_batch_retention_s, s.kafka_retention_bytes)
+                await ensure_topics(s.kafka, {pool_topic(s.served_model_name): s.pool_partitions}, batch_retention)
                 store = BatchStore(self._redis, RedisKeys(s.redis_prefix))
                 self.pool = PoolConsumer(s, self, store, self.metrics.registry)
-                self._outbox.coalesce_with(
-                    self.pool.coalesce
-                )  # batch sequences send their output once, whole
+                self._outbox.coalesce_with(self.pool.coalesce)  # batch sequences send their output once, whole
                 await self.pool.start()
                 self.heartbeat.readers.append(self.pool.reader)
             # A previous process under this id may have left index entries its cache no longer backs.
@@ -114,11 +105,7 @@ class Worker:
             print(f"{READY_MARK} {s.worker_id}", file=sys.stderr, flush=True)
             log.info(
                 "worker %s ready: engine=%s model=%s topic=%s metrics=%s",
-                s.worker_id,
-                self.engine_name,
-                s.served_model_name,
-                self._inbox.topics.current(s.worker_id),
-                self.heartbeat.metrics_url,
+                s.worker_id, self.engine_name, s.served_model_name, self._inbox.topics.current(s.worker_id), self.heartbeat.metrics_url,
             )
             self._inbox.reader.run()
             tasks = [
@@ -182,12 +169,7 @@ class Worker:
                     async with asyncio.timeout(CLOSE_STEP_S):
                         await close()
                 except TimeoutError:
-                    log.warning(
-                        "worker %s: %r did not close within %.0fs",
-                        self.settings.worker_id,
-                        close,
-                        CLOSE_STEP_S,
-                    )
+                    log.warning("worker %s: %r did not close within %.0fs", self.settings.worker_id, close, CLOSE_STEP_S)
         log.info("worker %s stopped", self.settings.worker_id)
 
     async def _guard(self, name: str, coro: Awaitable[None]) -> None:
@@ -225,12 +207,8 @@ class Worker:
             try:
                 await asyncio.wait_for(self.idle.wait(), timeout=s.drain_grace_s)
             except TimeoutError:
-                log.warning(
-                    "worker %s: grace period over, aborting %d request(s)", s.worker_id, len(self.serving)
-                )
-                await self.serving.fail_all(
-                    ErrorInfo("worker_stopped", "worker stopped before finishing", retriable=True)
-                )
+                log.warning("worker %s: grace period over, aborting %d request(s)", s.worker_id, len(self.serving))
+                await self.serving.fail_all(ErrorInfo("worker_stopped", "worker stopped before finishing", retriable=True))
         if not await self._outbox.flush(10.0):
             log.warning("could not flush every reply before leaving")
         with contextlib.suppress(KafkaError, TimeoutError):
