@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaProducer
 
+from bus.produce import TrackingProducer
 from bus.topics import RequestTopics, ensure_topics, retention
 from kvstore.kv_index import KVIndex
 from kvstore.load import LoadBoard
@@ -147,7 +147,7 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
         roll_records=s.replies_roll_records, retain_s=s.resume_ttl_s, metrics=metrics,
         configs=retention(2 * s.resume_ttl_s, s.kafka_retention_bytes),
     )  # fmt: skip
-    producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
+    producer = TrackingProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
     short = retention(s.kafka_request_retention_s, s.kafka_retention_bytes)  # request and admin topics
     dispatcher = Dispatcher(producer, s.kafka_timeout_s, metrics, RequestTopics(s.request_roll_s), short, s.kafka)
     background = Background()

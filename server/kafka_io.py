@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from bus.produce import forget_topics, send_and_wait
+from bus.produce import TrackingProducer, forget_topics, send_and_wait
 from bus.reader import Batch, Hooks, Options, Poll, Reader, Tail
 from bus.topics import RequestTopics, delete_topics, ensure_topics
 from schemas.kafka import (
@@ -72,7 +72,11 @@ class Dispatcher:
         if self.topics.roll_s > 0 and topic not in self._created:
             # Before the new topic makes the producer refresh its metadata: the topics its workers will
             # delete must not be asked for (and so re-created) by that refresh.
-            forget_topics(self._producer, lambda t: self.topics.behind(t, margin=1))
+            behind = lambda t: self.topics.behind(t, margin=1)  # noqa: E731
+            if isinstance(self._producer, TrackingProducer):
+                self._producer.forget_idle(also=behind)  # its notes' replies topics too
+            else:
+                forget_topics(self._producer, behind)
             await ensure_topics(self._bootstrap, {topic: 1}, self._configs)
             self._created = {t for t in self._created if not self.topics.behind(t)}
             self._created.add(topic)

@@ -9,10 +9,9 @@ import sys
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from bus.produce import refresh_metadata
+from bus.produce import TrackingProducer, refresh_metadata
 from bus.topics import ensure_topics, retention
 from kvstore.batch_store import BatchStore
 from kvstore.kv_index import KVIndex
@@ -51,7 +50,7 @@ class Worker:
         keys = RedisKeys(s.redis_prefix)
         index = self._index = KVIndex(self._redis, keys)
         self._kv = KVPublisher(index, s.worker_id, s.served_model_name, self.metrics)
-        self._producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
+        self._producer = TrackingProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
         self._outbox = Outbox(self._producer, self.metrics)
         self.serving = Serving(engine, self._outbox, self.metrics, s.worker_id, self._set_fatal)
         self.heartbeat = Heartbeat(s, engine, engine_name, Registry(self._redis, keys), index, self.metrics,
@@ -113,6 +112,8 @@ class Worker:
                 asyncio.create_task(self._guard("heartbeat", self.heartbeat.run())),
                 asyncio.create_task(self._guard("health", self.heartbeat.check_health())),
                 asyncio.create_task(self._guard("kv-events", self._kv.run(self.engine.kv_events()))),
+                # Replies topics rolled and deleted by frontends must not be asked for (re-created) again.
+                asyncio.create_task(self._guard("topic-tracking", self._producer.forget_idle_forever())),
             ]
             if s.canary_wait_s > 0:
                 tasks.append(asyncio.create_task(self._guard("canary", self.canary.run())))

@@ -148,3 +148,29 @@ async def test_topics_ferry_creates_carry_their_retention(h: Harness, kafka: str
     for topic, want in expected.items():
         got = await configs_of(kafka, topic)
         assert {k: got.get(k) for k in want} == want, topic
+
+
+async def test_deleted_replies_topics_stay_deleted(h: Harness, kafka: str) -> None:
+    # Workers' producers ask for the metadata of every topic they sent to whenever they meet a new one, and
+    # the embedded broker creates a topic anew when asked for it by name: the frontend's retired replies
+    # topics must not come back.
+    w = await h.add_worker()
+    fe, url = await h.add_frontend(replies_roll_records=10, resume_ttl_s=0.2)
+    base = reply_topic(fe.settings.frontend_id)
+    body = {"model": MODEL, "prompt": "Count", "max_tokens": 12, "ignore_eos": True}
+
+    async def rolls(n: int) -> None:
+        # Each wave of requests fills a replies topic; the next wave goes to a fresh one.
+        while (fe.metrics.registry.get_sample_value("ferry_reply_topic_rolls_total") or 0) < n:
+            answers = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(4)))
+            assert [a.status_code for a in answers] == [200] * 4
+
+    async def first_deleted() -> bool:
+        return base not in await topics(kafka)
+
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        await rolls(2)
+        await until(first_deleted, 20, 0.1)  # the frontend deletes it once idle and past its retention
+        w.worker._producer.forget_idle(0)  # at once, not after IDLE_TOPIC_S
+        await rolls(4)  # the worker's producer meets new topics again
+    assert base not in await topics(kafka), "a deleted replies topic was created again"
