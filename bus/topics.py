@@ -66,13 +66,16 @@ class RequestTopics:
 
     With `roll_s` > 0, requests to a worker go to `ferry.requests.<worker>.e<epoch>`, the epoch being
     the Unix time divided by `roll_s`: frontends and the worker agree on it without talking (their clocks
-    must agree to well within `roll_s`). The worker reads a window of epochs (`LAG` back, one ahead) and
-    deletes the topics behind it once read, so a partition never holds more than a few epochs of requests
-    (docs/architecture.md, broker quirk "slow long partitions"). `roll_s` = 0: one topic per worker.
+    must agree to well within `roll_s`). The worker reads the current epoch and `LAG` before it and
+    deletes the topics behind them once read, so a partition never holds more than an epoch of requests
+    (docs/architecture.md, broker quirk "slow long partitions"); a request from a frontend whose clock runs
+    ahead waits in its topic until the worker's clock reaches that epoch. Each partition a worker reads
+    costs the embedded broker CPU on every idle fetch, hence no more. `roll_s` = 0: one topic per worker.
     """
 
-    # Epochs behind the current one a worker still reads: a frontend whose clock lags writes there.
-    LAG = 2
+    # Epochs behind the current one a worker still reads: records written just before the turn of the
+    # epoch, and by a frontend whose clock lags.
+    LAG = 1
 
     def __init__(self, roll_s: float, clock: Callable[[], float] = time.time) -> None:
         self.roll_s = roll_s
@@ -93,7 +96,7 @@ class RequestTopics:
         e = self.epoch()
         if e is None:
             return [request_topic(worker_id)]
-        return [request_topic(worker_id, n) for n in range(e - self.LAG, e + 2)]
+        return [request_topic(worker_id, n) for n in range(e - self.LAG, e + 1)]
 
     def behind(self, topic: str, margin: int = 0) -> bool:
         """True for a rolled topic older than the window (less `margin` epochs): nobody writes there any more.
