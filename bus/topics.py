@@ -76,9 +76,14 @@ class RequestTopics:
     # Epochs behind the current one a worker still reads: records written just before the turn of the
     # epoch, and by a frontend whose clock lags.
     LAG = 1
+    # An epoch is deleted no sooner than this long after it ended: a request sent in its last moments can
+    # take that long to land (the frontend's send timeout, the producer's retries), and the worker must
+    # have fetched it before it judges the topic read.
+    GRACE_S = 30.0
 
     def __init__(self, roll_s: float, clock: Callable[[], float] = time.time) -> None:
         self.roll_s = roll_s
+        self.grace_s = self.GRACE_S
         self.clock = clock  # the wall clock (tests move it)
 
     def epoch(self) -> int | None:
@@ -97,6 +102,16 @@ class RequestTopics:
         if e is None:
             return [request_topic(worker_id)]
         return [request_topic(worker_id, n) for n in range(e - self.LAG, e + 1)]
+
+    def deletable(self, topic: str) -> bool:
+        """True for a rolled topic behind the window whose epoch ended `grace_s` ago or more."""
+        t = request_epoch(topic)
+        return self.behind(topic) and t is not None and self.clock() >= (t + 1) * self.roll_s + self.grace_s
+
+    def ahead(self, worker_id: str) -> str:
+        """The topic of the next epoch (the worker creates it before anyone writes there)."""
+        e = self.epoch()
+        return request_topic(worker_id, None if e is None else e + 1)
 
     def behind(self, topic: str, margin: int = 0) -> bool:
         """True for a rolled topic older than the window (less `margin` epochs): nobody writes there any more.

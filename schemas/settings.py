@@ -80,11 +80,11 @@ class CommonSettings:
         ),
     )
     request_roll_s: float = dataclasses.field(
-        default=60.0,
+        default=0.0,
         metadata=_help(
             "send requests to a fresh per-worker topic every this many seconds of the wall clock and delete "
             "the read ones (the embedded broker never trims a topic); frontends and workers must use the "
-            "same value and clocks that agree to well within it; 0 = one topic per worker"
+            "same value and clocks that agree to well within it (e.g. 60); 0 = one topic per worker"
         ),
     )
     kafka_request_retention_s: float = dataclasses.field(

@@ -68,8 +68,10 @@ class Dispatcher:
 
     async def _topic(self, worker_id: str) -> str:
         """The topic a request to `worker_id` goes to now, created if this frontend has not yet."""
-        topic = self.topics.current(worker_id)
-        if self.topics.roll_s > 0 and topic not in self._created:
+        while True:
+            topic = self.topics.current(worker_id)
+            if self.topics.roll_s <= 0 or topic in self._created:
+                return topic
             # Before the new topic makes the producer refresh its metadata: the topics its workers will
             # delete must not be asked for (and so re-created) by that refresh.
             behind = lambda t: self.topics.behind(t, margin=1)  # noqa: E731
@@ -80,7 +82,9 @@ class Dispatcher:
             await ensure_topics(self._bootstrap, {topic: 1}, self._configs)
             self._created = {t for t in self._created if not self.topics.behind(t)}
             self._created.add(topic)
-        return topic
+            if not self.topics.behind(topic, margin=1):
+                return topic
+            # The epoch turned more than once meanwhile (a slow broker): the worker no longer reads that one.
 
     def topic_of(self, worker_id: str, request_id: str) -> str | None:
         """The topic `request_id` was sent to; None once its worker has read and deleted that topic."""

@@ -59,6 +59,7 @@ class Inbox:
         self.topics = RequestTopics(settings.request_roll_s)
         self._configs = retention(settings.kafka_request_retention_s, settings.kafka_retention_bytes)
         self._window: list[str] = []  # the rolled topics assigned now, oldest first
+        self._ahead = ""  # the next epoch's topic, once created
         self._serving = serving
         self._lora = lora
         self._metrics = metrics
@@ -95,8 +96,14 @@ class Inbox:
         if self.topics.roll_s <= 0:
             return
         window = self.topics.window(self._worker_id)
+        ahead = self.topics.ahead(self._worker_id)
+        if ahead != self._ahead:
+            # Created an epoch early, so frontends never create it at the same moment as the worker (two
+            # CreateTopics racing on the embedded broker can lose what was written in between).
+            await ensure_topics(self._kafka, {ahead: 1}, self._configs)
+            self._ahead = ahead
         new = [t for t in window if t not in self._window]
-        behind = [t for t in self._window if self.topics.behind(t)]
+        behind = [t for t in self._window if self.topics.deletable(t)]
         if not new and not behind:
             return
         if new:
@@ -108,9 +115,7 @@ class Inbox:
         # commits after every poll that brought records); one never fetched yet, or paused (its end is
         # not fetched), is read first.
         done = [
-            t
-            for t in behind
-            if t in ends and ends[t][0] >= ends[t][1] and TopicPartition(t, 0) not in paused
+            t for t in behind if t in ends and ends[t][0] >= ends[t][1] and TopicPartition(t, 0) not in paused
         ]
         if not new and not done:
             return

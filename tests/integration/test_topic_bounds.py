@@ -54,6 +54,8 @@ async def test_requests_across_request_topic_rolls_all_complete_and_read_topics_
     w = await h.add_worker(request_roll_s=roll_s)
     fe, url = await h.add_frontend(request_roll_s=roll_s)
     wid = w.worker.settings.worker_id
+    inbox = w.worker._inbox
+    inbox.topics.grace_s = 3.0  # (30 s by default) a read epoch is deleted 3 s after it ended
     used: set[str] = set()
     body = {"model": MODEL, "prompt": "Count", "max_tokens": 20, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
@@ -67,16 +69,14 @@ async def test_requests_across_request_topic_rolls_all_complete_and_read_topics_
                 t for t in fe.svc.dispatcher._sent_to.values() if t.startswith(f"ferry.requests.{wid}.e")
             }
     assert (fe.metrics.registry.get_sample_value("ferry_requests_lost_total") or 0) == 0
-    inbox = w.worker._inbox
 
     async def bounded() -> bool:
         # Every epoch that carried requests was read and deleted; what is left is the window (the current
-        # epoch and LAG before it) and at most two epochs the worker has not yet looked at (it polls each
-        # second while idle).
+        # epoch and LAG before it) and the epochs of the grace period.
         mine = {t for t in await topics(kafka) if t.startswith(f"ferry.requests.{wid}.e")}
-        return len(mine) <= inbox.topics.LAG + 3 and not used & mine
+        return len(mine) <= inbox.topics.LAG + 1 + 3.0 / roll_s + 2 and not used & mine
 
-    await until(bounded, 20, 0.1)
+    await until(bounded, 30, 0.1)
 
 
 async def test_a_topic_behind_the_window_is_kept_until_its_requests_are_read(h: Harness, kafka: str) -> None:
