@@ -1,9 +1,12 @@
-"""Producing: a send that survives the broker's one-off UnknownError, and refreshing a producer's metadata."""
+"""Producing: a send that survives the broker's one-off UnknownError; refreshing and pruning a producer's metadata."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import UnknownError
@@ -36,3 +39,54 @@ async def refresh_metadata(producer: AIOKafkaProducer, timeout_s: float = 5.0) -
     """
     with contextlib.suppress(Exception):
         await asyncio.wait_for(producer.client.force_metadata_update(), timeout_s)
+
+
+def forget_topics(producer: AIOKafkaProducer, stale: Callable[[str], bool]) -> None:
+    """Stop tracking the metadata of the topics `stale` picks (deleted ones, or soon to be).
+
+    aiokafka's client asks for the metadata of every topic its producer ever sent to, on every refresh and
+    whenever it meets a new topic; the embedded broker creates a topic anew when a client asks for it by
+    name, so a rolled topic deleted after use would come back, empty, for good (docs/architecture.md,
+    broker quirk "metadata re-creates topics"), and every metadata request would grow with the topics
+    rolled so far.
+    """
+    client = producer.client
+    tracked: set[str] = client._topics
+    drop = {t for t in tracked if stale(t)}
+    if drop:
+        # A non-empty subset triggers no metadata request (an empty set would mean "every topic").
+        client.set_topics(tracked - drop)
+
+
+# A topic not written for this long is no longer tracked (its next record tracks it again).
+IDLE_TOPIC_S = 10.0
+
+
+class TrackingProducer(AIOKafkaProducer):
+    """An AIOKafkaProducer that knows when it last wrote to each topic, and forgets the idle ones.
+
+    A process that writes to topics other processes roll and delete (a worker's replies, a frontend's
+    requests) would otherwise ask for them again, and so re-create them on the embedded broker (see
+    `forget_topics`).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.last_write: dict[str, float] = {}
+
+    async def send(self, topic: str, *args: Any, **kwargs: Any) -> Any:
+        """`AIOKafkaProducer.send`, noting the time."""
+        self.last_write[topic] = time.monotonic()
+        return await super().send(topic, *args, **kwargs)
+
+    def forget_idle(self, idle_s: float = IDLE_TOPIC_S, also: Callable[[str], bool] | None = None) -> None:
+        """Stop tracking the topics not written for `idle_s` (and those `also` picks)."""
+        now = time.monotonic()
+        self.last_write = {t: at for t, at in self.last_write.items() if now - at < idle_s}
+        forget_topics(self, lambda t: t not in self.last_write or (also is not None and also(t)))
+
+    async def forget_idle_forever(self, idle_s: float = IDLE_TOPIC_S) -> None:
+        """`forget_idle` every `idle_s` / 2 seconds, for the producer's life."""
+        while True:
+            await asyncio.sleep(idle_s / 2)
+            self.forget_idle(idle_s)

@@ -1,12 +1,15 @@
-"""Topic admin: creating and deleting topics."""
+"""Topic admin: creating topics (with their retention configs) and deleting them; rolled request topics."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
+
+from schemas.names import request_epoch, request_topic
 
 
 @contextlib.asynccontextmanager
@@ -19,15 +22,102 @@ async def _admin(bootstrap: str) -> AsyncIterator[AIOKafkaAdminClient]:
         await admin.close()
 
 
-async def ensure_topics(bootstrap: str, topics: dict[str, int]) -> None:
-    """Create each topic with its number of partitions unless it exists."""
+def retention(seconds: float, max_bytes: int = -1) -> dict[str, str]:
+    """Topic configs under which Kafka deletes records older than `seconds` (<= 0: never) or beyond
+    `max_bytes` per partition (-1: no size bound).
+
+    Apache Kafka enforces them; the embedded broker stores and describes them but never deletes a record
+    (docs/architecture.md, broker quirk "no DeleteRecords, no retention"), so there Ferry rolls topics.
+    """
+    ms = int(seconds * 1000) if seconds > 0 else -1
+    return {"cleanup.policy": "delete", "retention.ms": str(ms), "retention.bytes": str(max_bytes)}
+
+
+async def ensure_topics(
+    bootstrap: str, topics: dict[str, int], configs: dict[str, str] | None = None
+) -> None:
+    """Create each topic with its number of partitions (and `configs`) unless it exists.
+
+    An existing topic keeps the configs it has: changing them is an operator's decision.
+    """
     async with _admin(bootstrap) as admin:
         for topic, partitions in topics.items():
             with contextlib.suppress(TopicAlreadyExistsError):
-                await admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
+                await admin.create_topics(
+                    [
+                        NewTopic(
+                            topic,
+                            num_partitions=partitions,
+                            replication_factor=1,
+                            topic_configs=configs or {},
+                        )
+                    ]
+                )
 
 
 async def delete_topics(bootstrap: str, topics: list[str]) -> None:
     """Delete topics (those already gone are fine)."""
     async with _admin(bootstrap) as admin:
         await admin.delete_topics(topics)
+
+
+class RequestTopics:
+    """Which request topic of a worker is current, by the wall clock.
+
+    With `roll_s` > 0, requests to a worker go to `ferry.requests.<worker>.e<epoch>`, the epoch being
+    the Unix time divided by `roll_s`: frontends and the worker agree on it without talking (their clocks
+    must agree to well within `roll_s`). The worker reads the current epoch and `LAG` before it and
+    deletes the topics behind them once read, so a partition never holds more than an epoch of requests
+    (docs/architecture.md, broker quirk "slow long partitions"); a request from a frontend whose clock runs
+    ahead waits in its topic until the worker's clock reaches that epoch. Each partition a worker reads
+    costs the embedded broker CPU on every idle fetch, hence no more. `roll_s` = 0: one topic per worker.
+    """
+
+    # Epochs behind the current one a worker still reads: records written just before the turn of the
+    # epoch, and by a frontend whose clock lags.
+    LAG = 1
+    # An epoch is deleted no sooner than this long after it ended: a request sent in its last moments can
+    # take that long to land (the frontend's send timeout, the producer's retries), and the worker must
+    # have fetched it before it judges the topic read.
+    GRACE_S = 30.0
+
+    def __init__(self, roll_s: float, clock: Callable[[], float] = time.time) -> None:
+        self.roll_s = roll_s
+        self.grace_s = self.GRACE_S
+        self.clock = clock  # the wall clock (tests move it)
+
+    def epoch(self) -> int | None:
+        """The current epoch (None without rolling)."""
+        if self.roll_s <= 0:
+            return None
+        return int(self.clock() // self.roll_s)
+
+    def current(self, worker_id: str) -> str:
+        """The topic a request to `worker_id` goes to now."""
+        return request_topic(worker_id, self.epoch())
+
+    def window(self, worker_id: str) -> list[str]:
+        """The topics a worker reads now, oldest first."""
+        e = self.epoch()
+        if e is None:
+            return [request_topic(worker_id)]
+        return [request_topic(worker_id, n) for n in range(e - self.LAG, e + 1)]
+
+    def deletable(self, topic: str) -> bool:
+        """True for a rolled topic behind the window whose epoch ended `grace_s` ago or more."""
+        t = request_epoch(topic)
+        return self.behind(topic) and t is not None and self.clock() >= (t + 1) * self.roll_s + self.grace_s
+
+    def ahead(self, worker_id: str) -> str:
+        """The topic of the next epoch (the worker creates it before anyone writes there)."""
+        e = self.epoch()
+        return request_topic(worker_id, None if e is None else e + 1)
+
+    def behind(self, topic: str, margin: int = 0) -> bool:
+        """True for a rolled topic older than the window (less `margin` epochs): nobody writes there any more.
+
+        A worker deletes such a topic once it has read all of it, so a writer that wants its record read
+        (a cancel following its request) asks with a margin of an epoch for the clocks' difference.
+        """
+        e, t = self.epoch(), request_epoch(topic)
+        return e is not None and t is not None and t < e - self.LAG + margin

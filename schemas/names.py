@@ -15,9 +15,16 @@ def slug(name: str) -> str:
     return s or "unnamed"
 
 
-def request_topic(worker_id: str) -> str:
-    """Topic one worker reads its routed requests from."""
-    return f"ferry.requests.{slug(worker_id)}"
+def request_topic(worker_id: str, epoch: int | None = None) -> str:
+    """Topic one worker reads its routed requests from; with `--request-roll-s`, one per epoch of the clock."""
+    base = f"ferry.requests.{slug(worker_id)}"
+    return base if epoch is None else f"{base}.e{epoch}"
+
+
+def request_epoch(topic: str) -> int | None:
+    """The epoch a rolled request topic belongs to (None: the unrolled topic)."""
+    _, dot, tail = topic.rpartition(".e")
+    return int(tail) if dot and tail.isdigit() else None
 
 
 def reply_topic(frontend_id: str) -> str:

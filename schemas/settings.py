@@ -79,6 +79,30 @@ class CommonSettings:
             "should share it"
         ),
     )
+    request_roll_s: float = dataclasses.field(
+        default=0.0,
+        metadata=_help(
+            "send requests to a fresh per-worker topic every this many seconds of the wall clock and delete "
+            "the read ones (the embedded broker never trims a topic); frontends and workers must use the "
+            "same value and clocks that agree to well within it (e.g. 60); 0 = one topic per worker"
+        ),
+    )
+    kafka_request_retention_s: float = dataclasses.field(
+        default=3600.0,
+        metadata=_help(
+            "retention.ms of the request and admin topics Ferry creates (Kafka deletes older records)"
+        ),
+    )
+    kafka_batch_retention_s: float = dataclasses.field(
+        default=172_800.0,
+        metadata=_help(
+            "retention.ms of the pool and batch topics Ferry creates; longer than the longest batch window"
+        ),
+    )
+    kafka_retention_bytes: int = dataclasses.field(
+        default=1 << 30,
+        metadata=_help("retention.bytes (per partition) of every topic Ferry creates; -1 = no size bound"),
+    )
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -10,6 +10,7 @@ as it takes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
@@ -32,6 +33,9 @@ class RequestLog:
         self._reader = Reader(
             "request lookups", bootstrap, request_decoder, Options(fetch_wait_ms=100, offset_reset="none")
         )
+        # (worker id, request id) -> the topic the request was sent to; None once its worker read and deleted
+        # it (rolled request topics, `Dispatcher.topic_of`). Unset: the worker's one topic.
+        self.topic_of: Callable[[str, str], str | None] | None = None
 
     async def start(self) -> None:
         """Connect to the broker."""
@@ -47,7 +51,14 @@ class RequestLog:
         not answer."""
         if not self._reader.started:
             return None
-        tp = TopicPartition(request_topic(worker_id), 0)
+        topic = (
+            request_topic(worker_id)
+            if self.topic_of is None
+            else self.topic_of(worker_id, request.request_id)
+        )
+        if topic is None:
+            return None  # read by its worker, so not lost by the broker before that
+        tp = TopicPartition(topic, 0)
         try:
             found = await self._reader.read_at(tp, offset, LOOKUP_TIMEOUT_S)
         except (KafkaError, TimeoutError) as exc:

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaProducer
 
+from bus.produce import TrackingProducer
+from bus.topics import RequestTopics, ensure_topics, retention
 from kvstore.kv_index import KVIndex
 from kvstore.load import LoadBoard
 from kvstore.registry import Registry, reachable_host
@@ -144,9 +145,11 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
     demux = ReplyDemux(
         s.kafka, reply_topic(s.frontend_id), s.kafka_fetch_wait_ms,
         roll_records=s.replies_roll_records, retain_s=s.resume_ttl_s, metrics=metrics,
+        configs=retention(2 * s.resume_ttl_s, s.kafka_retention_bytes),
     )  # fmt: skip
-    producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
-    dispatcher = Dispatcher(producer, s.kafka_timeout_s, metrics)
+    producer = TrackingProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
+    short = retention(s.kafka_request_retention_s, s.kafka_retention_bytes)  # request and admin topics
+    dispatcher = Dispatcher(producer, s.kafka_timeout_s, metrics, RequestTopics(s.request_roll_s), short, s.kafka)
     background = Background()
     # Where a lost worker or a lost replies log is answered (server/migration.py).
     migrations = Migrations(
@@ -171,6 +174,7 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
         s.max_queued_requests, heartbeat_s=s.heartbeat_interval_s,
     )  # fmt: skip
     requests = RequestLog(s.kafka)
+    requests.topic_of = dispatcher.topic_of
     # Adapter loads are rare and slow anyway: no need to poll their answers every few ms.
     acks = AckInbox(s.kafka, admin_topic(s.frontend_id), max(s.kafka_fetch_wait_ms, 100))
     svc = Services(
@@ -194,6 +198,7 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
         stack.push_async_callback(_timed, "frontend announcement", lambda: registry.withdraw_frontend(s.frontend_id))
         await pool.start()
         stack.push_async_callback(_timed, "worker registry view", pool.stop)
+        await ensure_topics(s.kafka, {acks.topic: 1}, short)  # with its retention, before the reader makes it
         await acks.start()
         stack.push_async_callback(_timed, "admin ack reader", acks.stop)
         stack.push_async_callback(_timed, "unattended streams", lambda: _cancel_all(svc.detached))

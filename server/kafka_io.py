@@ -6,15 +6,16 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from bus.produce import send_and_wait
+from bus.produce import TrackingProducer, forget_topics, send_and_wait
 from bus.reader import Batch, Hooks, Options, Poll, Reader, Tail
-from bus.topics import delete_topics, ensure_topics
+from bus.topics import RequestTopics, delete_topics, ensure_topics
 from schemas.kafka import (
     Cancel,
     Chunk,
@@ -25,7 +26,6 @@ from schemas.kafka import (
     reply_decoder,
     request_encoder,
 )
-from schemas.names import request_topic
 from server.errors import APIError
 from server.metrics import FrontendMetrics
 from server.streams import ClientStream, Sequence
@@ -34,16 +34,62 @@ log = logging.getLogger("ferry.frontend")
 
 # How long a replies topic that could not roll (broker away) is used before the roll is tried again.
 ROLL_RETRY_S = 1.0
+# Requests whose topic the dispatcher remembers (for their cancels and delivery checks).
+SENT_REMEMBERED = 65536
 
 
 class Dispatcher:
-    """Produces GenerateRequests and Cancels to worker topics."""
+    """Produces GenerateRequests and Cancels to worker topics.
 
-    def __init__(self, producer: AIOKafkaProducer, timeout_s: float, metrics: FrontendMetrics) -> None:
+    With rolled request topics (`RequestTopics`) a request goes to its worker's topic of the current epoch,
+    created first (a topic the embedded broker creates on a produce can vanish again: docs/architecture.md,
+    broker quirk "lost again after a restart"); its cancel follows it into the same topic, so the worker
+    reads the two in order.
+    """
+
+    def __init__(
+        self,
+        producer: AIOKafkaProducer,
+        timeout_s: float,
+        metrics: FrontendMetrics,
+        topics: RequestTopics | None = None,
+        configs: dict[str, str] | None = None,
+        bootstrap: str = "",
+    ) -> None:
         self._producer = producer
         self._timeout_s = timeout_s
         self._metrics = metrics
         self._broker_ok = True
+        self.topics = topics or RequestTopics(0)  # which request topic is current
+        self._configs = configs
+        self._bootstrap = bootstrap
+        self._created: set[str] = set()  # rolled topics known to exist
+        self._sent_to: OrderedDict[str, str] = OrderedDict()  # request id -> the topic its request went to
+
+    async def _topic(self, worker_id: str) -> str:
+        """The topic a request to `worker_id` goes to now, created if this frontend has not yet."""
+        while True:
+            topic = self.topics.current(worker_id)
+            if self.topics.roll_s <= 0 or topic in self._created:
+                return topic
+            # Before the new topic makes the producer refresh its metadata: the topics its workers will
+            # delete must not be asked for (and so re-created) by that refresh.
+            behind = lambda t: self.topics.behind(t, margin=1)  # noqa: E731
+            if isinstance(self._producer, TrackingProducer):
+                self._producer.forget_idle(also=behind)  # its notes' replies topics too
+            else:
+                forget_topics(self._producer, behind)
+            await ensure_topics(self._bootstrap, {topic: 1}, self._configs)
+            self._created = {t for t in self._created if not self.topics.behind(t)}
+            self._created.add(topic)
+            if not self.topics.behind(topic, margin=1):
+                return topic
+            # The epoch turned more than once meanwhile (a slow broker): the worker no longer reads that one.
+
+    def topic_of(self, worker_id: str, request_id: str) -> str | None:
+        """The topic `request_id` was sent to; None once its worker has read and deleted that topic."""
+        topic = self._sent_to.get(request_id) or self.topics.current(worker_id)
+        return None if self.topics.behind(topic) else topic
 
     async def submit(self, worker_id: str, request: GenerateRequest, cancel_on_timeout: bool = True) -> int:
         """Hand one request to a worker; returns its offset in the worker's topic, 503 if the broker does not
@@ -55,10 +101,11 @@ class Dispatcher:
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(self._timeout_s):
+                topic = await self._topic(worker_id)
                 # Partition 0 is the only one a worker reads.
                 sent = await send_and_wait(
                     self._producer,
-                    request_topic(worker_id),
+                    topic,
                     request_encoder.encode(request),
                     key=request.request_id.encode(),
                 )
@@ -80,6 +127,10 @@ class Dispatcher:
         if not self._broker_ok:
             log.info("Kafka is taking requests again")
             self._broker_ok = True
+        self._sent_to[request.request_id] = topic
+        self._sent_to.move_to_end(request.request_id)
+        if len(self._sent_to) > SENT_REMEMBERED:
+            self._sent_to.popitem(last=False)
         self._metrics.kafka_produce_seconds.observe(time.perf_counter() - t0)
         return sent.offset
 
@@ -106,14 +157,19 @@ class Dispatcher:
 
     async def cancel(self, worker_id: str, request_id: str) -> None:
         """Ask a worker to abort a request; best effort (the worker also drops late requests)."""
+        topic = self._sent_to.get(request_id)
         try:
+            # Behind the cancel goes to the current topic: its request was read long ago, and a topic behind
+            # the worker's window may be gone.
+            if topic is None or self.topics.behind(topic, margin=1):
+                topic = await self._topic(worker_id)
             await self._producer.send(
-                request_topic(worker_id),
+                topic,
                 request_encoder.encode(Cancel(request_id)),
                 key=request_id.encode(),
                 partition=0,
             )
-        except KafkaError as exc:
+        except (KafkaError, OSError) as exc:
             log.warning("could not send cancel for %s: %r", request_id, exc)
 
 
@@ -145,8 +201,10 @@ class ReplyDemux:
         roll_records: int = 0,
         retain_s: float = 600.0,
         metrics: FrontendMetrics | None = None,
+        configs: dict[str, str] | None = None,
     ) -> None:
         self._base = topic
+        self._configs = configs  # retention of the replies topics (on Kafka; see `bus.topics.retention`)
         self._bootstrap = bootstrap
         self._roll_records = roll_records
         self._retain_s = retain_s
@@ -195,6 +253,7 @@ class ReplyDemux:
 
     async def start(self) -> None:
         """Create the topic and position at its end before any request can be sent."""
+        await ensure_topics(self._bootstrap, {self._base: 1}, self._configs)
         await self._reader.open(Tail(self._base))
         position = await self._reader.position(TopicPartition(self._base, 0))
         self._current = self._tails[self._base] = _Tail(self._base, position)
@@ -293,7 +352,7 @@ class ReplyDemux:
         assert old is not None
         topic = f"{self._base}.{self._rolls + 1}"
         try:
-            await ensure_topics(self._bootstrap, {topic: 1})
+            await ensure_topics(self._bootstrap, {topic: 1}, self._configs)
         except (KafkaError, OSError, TimeoutError) as exc:
             # The broker is away (restarting): stay on the current topic and try again a little later.
             self._roll_after = time.monotonic() + ROLL_RETRY_S

@@ -9,16 +9,15 @@ import sys
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from bus.produce import refresh_metadata
-from bus.topics import ensure_topics
+from bus.produce import TrackingProducer, refresh_metadata
+from bus.topics import ensure_topics, retention
 from kvstore.batch_store import BatchStore
 from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
 from schemas.kafka import ErrorInfo, GenerateRequest
-from schemas.names import RedisKeys, pool_topic, request_topic
+from schemas.names import RedisKeys, pool_topic
 from schemas.settings import WorkerSettings
 from workers.canary import Canary
 from workers.engine import Engine, EngineDead
@@ -47,12 +46,11 @@ class Worker:
         self.engine = engine
         self.engine_name = engine_name
         self.metrics = WorkerMetrics()
-        self.topic = request_topic(s.worker_id)
         self._redis = aioredis.from_url(s.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
         keys = RedisKeys(s.redis_prefix)
         index = self._index = KVIndex(self._redis, keys)
         self._kv = KVPublisher(index, s.worker_id, s.served_model_name, self.metrics)
-        self._producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
+        self._producer = TrackingProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
         self._outbox = Outbox(self._producer, self.metrics)
         self.serving = Serving(engine, self._outbox, self.metrics, s.worker_id, self._set_fatal)
         self.heartbeat = Heartbeat(s, engine, engine_name, Registry(self._redis, keys), index, self.metrics,
@@ -61,7 +59,7 @@ class Worker:
         self.lora = LoraControl(engine, s.worker_id, self.heartbeat.once, self._outbox.send_ack)
         self.ops = EngineOps(engine, s.worker_id, self.heartbeat, index, self.serving.idle, s.drain_grace_s)
         self.lora.engine_ops = self.ops.apply
-        self._inbox = Inbox(s, self.topic, self.serving, self.lora, self.metrics, self._set_fatal, self._log_lost)
+        self._inbox = Inbox(s, self.serving, self.lora, self.metrics, self._set_fatal, self._log_lost)
         # A tiny real generation now and then: an engine that answers health checks but no longer steps.
         generated = lambda: self.metrics.registry.get_sample_value("ferry_worker_generated_tokens_total") or 0.0  # noqa: E731
         self.canary = Canary(engine, s.served_model_name, s.worker_id, self.serving.idle, generated,
@@ -87,11 +85,11 @@ class Worker:
         try:
             # Inside the try: a start that fails (broker down) must still stop the engine and the clients.
             await self.engine.start()
-            await ensure_topics(s.kafka, {self.topic: 1})
             await self._producer.start()
             await self._inbox.open()
             if s.pool:
-                await ensure_topics(s.kafka, {pool_topic(s.served_model_name): s.pool_partitions})
+                batch_retention = retention(s.kafka_batch_retention_s, s.kafka_retention_bytes)
+                await ensure_topics(s.kafka, {pool_topic(s.served_model_name): s.pool_partitions}, batch_retention)
                 store = BatchStore(self._redis, RedisKeys(s.redis_prefix))
                 self.pool = PoolConsumer(s, self, store, self.metrics.registry)
                 self._outbox.coalesce_with(self.pool.coalesce)  # batch sequences send their output once, whole
@@ -106,7 +104,7 @@ class Worker:
             print(f"{READY_MARK} {s.worker_id}", file=sys.stderr, flush=True)
             log.info(
                 "worker %s ready: engine=%s model=%s topic=%s metrics=%s",
-                s.worker_id, self.engine_name, s.served_model_name, self.topic, self.heartbeat.metrics_url,
+                s.worker_id, self.engine_name, s.served_model_name, self._inbox.topics.current(s.worker_id), self.heartbeat.metrics_url,
             )
             self._inbox.reader.run()
             tasks = [
@@ -114,6 +112,8 @@ class Worker:
                 asyncio.create_task(self._guard("heartbeat", self.heartbeat.run())),
                 asyncio.create_task(self._guard("health", self.heartbeat.check_health())),
                 asyncio.create_task(self._guard("kv-events", self._kv.run(self.engine.kv_events()))),
+                # Replies topics rolled and deleted by frontends must not be asked for (re-created) again.
+                asyncio.create_task(self._guard("topic-tracking", self._producer.forget_idle_forever())),
             ]
             if s.canary_wait_s > 0:
                 tasks.append(asyncio.create_task(self._guard("canary", self.canary.run())))

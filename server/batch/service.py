@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
-from bus.topics import ensure_topics
+from bus.topics import ensure_topics, retention
 from kvstore.batch_store import BatchStore
 from schemas.names import RedisKeys, batch_results_topic, batch_submit_topic, pool_topic
 from schemas.settings import FrontendSettings
@@ -50,6 +50,7 @@ class BatchService:
                 batch_results_topic(model): 1,
                 batch_submit_topic(model): 1,
             },
+            retention(s.kafka_batch_retention_s, s.kafka_retention_bytes),
         )
         producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=5, request_timeout_ms=10_000)
         coordinator = self.coordinator = BatchCoordinator(s, self.store, pre, live)

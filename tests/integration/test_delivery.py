@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from typing import Any
 
 import httpx
@@ -106,7 +107,10 @@ async def test_a_request_the_broker_lost_is_sent_again(
     w = await h.add_worker()
     inbox = w.worker._inbox.reader.consumer
     fe, url = await h.add_frontend(delivery_check_s=1.0, request_timeout_s=60.0)
-    topic = request_topic(w.worker.settings.worker_id)
+    # The request topics do not roll during the test (`--request-roll-s`): the clocks stand still.
+    now = time.time()
+    w.worker._inbox.topics.clock = fe.svc.dispatcher.topics.clock = lambda: now
+    topic = fe.svc.dispatcher.topics.current(w.worker.settings.worker_id)
     # The worker stops reading (it keeps heartbeating): the request waits in the broker, as under load.
     inbox.pause(TopicPartition(topic, 0))
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}

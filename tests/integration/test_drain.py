@@ -60,26 +60,35 @@ async def full_stream(
 
 
 async def committed_and_end(kafka: str, worker_id: str) -> tuple[int | None, int]:
-    """The worker's committed offset on its requests topic, and the offset after the topic's last record."""
-    tp = TopicPartition(request_topic(worker_id), 0)
+    """The worker's committed offsets on its request topics (the rolled ones too), summed over those holding
+    records, and the sum of the offsets after their last records."""
     group = AIOKafkaConsumer(
         bootstrap_servers=kafka, group_id=f"ferry-worker-{worker_id}", enable_auto_commit=False
     )
     reader = AIOKafkaConsumer(bootstrap_servers=kafka, enable_auto_commit=False, fetch_max_wait_ms=50)
     await group.start()
     await reader.start()
+    committed_sum: int | None = 0
+    end_sum = 0
     try:
-        committed = await group.committed(tp)
-        # Read to the end rather than ask for the end offset: the record count is what was delivered.
-        reader.assign([tp])
-        await reader.seek_to_beginning(tp)
-        end = 0
-        while records := (await reader.getmany(tp, timeout_ms=500)).get(tp):
-            end = records[-1].offset + 1
+        base = request_topic(worker_id)
+        for topic in sorted(t for t in await reader.topics() if t == base or t.startswith(f"{base}.e")):
+            tp = TopicPartition(topic, 0)
+            # Read to the end rather than ask for the end offset: the record count is what was delivered.
+            reader.assign([tp])
+            await reader.seek_to_beginning(tp)
+            end = 0
+            while records := (await reader.getmany(tp, timeout_ms=500)).get(tp):
+                end = records[-1].offset + 1
+            if end == 0:
+                continue
+            committed = await group.committed(tp)
+            end_sum += end
+            committed_sum = None if committed is None or committed_sum is None else committed_sum + committed
     finally:
         await group.stop()
         await reader.stop()
-    return committed, end
+    return committed_sum, end_sum
 
 
 async def test_sigterm_worker_leaves_routing_finishes_commits_and_exits_0(

@@ -204,11 +204,11 @@ async def test_a_roll_the_broker_refuses_is_tried_again_later(kafka: str, monkey
     real = kafka_io.ensure_topics
     refused: list[str] = []
 
-    async def away_once(bootstrap: str, topics: dict[str, int]) -> None:
+    async def away_once(bootstrap: str, topics: dict[str, int], configs: dict[str, str] | None = None) -> None:
         if not refused:
             refused.extend(topics)
             raise KafkaConnectionError("Unable to bootstrap (injected)")
-        await real(bootstrap, topics)
+        await real(bootstrap, topics, configs)
 
     async with demux_rig(kafka, roll_records=1, retain_s=60) as (demux, reply, base):
         monkeypatch.setattr(kafka_io, "ensure_topics", away_once)

@@ -1,0 +1,174 @@
+"""Every topic Ferry writes to is bounded on the embedded broker, and nothing is lost across a roll.
+
+Request topics roll by the clock (`--request-roll-s`): the worker reads a window of epochs and deletes the
+topics behind it once read. On Apache Kafka the bound is retention: every topic Ferry creates carries
+`retention.ms` / `retention.bytes` / `cleanup.policy` (the embedded broker stores and describes them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import httpx
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+from schemas.names import admin_topic, batch_results_topic, batch_submit_topic, pool_topic, reply_topic
+from tests.harness import Harness, until
+
+pytestmark = pytest.mark.integration
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+async def topics(kafka: str) -> set[str]:
+    """Every topic the broker lists."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka)
+    await admin.start()
+    try:
+        return set(await admin.list_topics())
+    finally:
+        await admin.close()
+
+
+async def configs_of(kafka: str, topic: str) -> dict[str, str]:
+    """The configs the broker describes for `topic`."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka)
+    await admin.start()
+    try:
+        [resp] = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
+    finally:
+        await admin.close()
+    [resource] = resp.resources
+    assert resource[0] == 0, f"DescribeConfigs of {topic} failed: {resource}"
+    return {entry[0]: entry[1] for entry in resource[4]}
+
+
+async def test_requests_across_request_topic_rolls_all_complete_and_read_topics_are_deleted(
+    h: Harness, kafka: str
+) -> None:
+    roll_s = 0.5
+    w = await h.add_worker(request_roll_s=roll_s)
+    fe, url = await h.add_frontend(request_roll_s=roll_s)
+    wid = w.worker.settings.worker_id
+    inbox = w.worker._inbox
+    inbox.topics.grace_s = 3.0  # (30 s by default) a read epoch is deleted 3 s after it ended
+    used: set[str] = set()
+    body = {"model": MODEL, "prompt": "Count", "max_tokens": 20, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        # Waves of concurrent requests until they were sent to 8 epochs' topics: requests are in flight
+        # across every roll, and the first topics fall behind the worker's window meanwhile.
+        while len(used) < 8:
+            answers = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(4)))
+            assert [a.status_code for a in answers] == [200] * 4
+            assert all(a.json()["usage"]["completion_tokens"] == 20 for a in answers)
+            used |= {
+                t for t in fe.svc.dispatcher._sent_to.values() if t.startswith(f"ferry.requests.{wid}.e")
+            }
+    assert (fe.metrics.registry.get_sample_value("ferry_requests_lost_total") or 0) == 0
+
+    async def bounded() -> bool:
+        # Every epoch that carried requests was read and deleted; what is left is the window (the current
+        # epoch and LAG before it) and the epochs of the grace period.
+        mine = {t for t in await topics(kafka) if t.startswith(f"ferry.requests.{wid}.e")}
+        return len(mine) <= inbox.topics.LAG + 1 + 3.0 / roll_s + 2 and not used & mine
+
+    await until(bounded, 30, 0.1)
+
+
+async def test_a_topic_behind_the_window_is_kept_until_its_requests_are_read(h: Harness, kafka: str) -> None:
+    roll_s = 1000.0  # the test moves the clocks
+    now = [1_000_000.0]
+    w = await h.add_worker(request_roll_s=roll_s)
+    fe, url = await h.add_frontend(request_roll_s=roll_s)
+    inbox = w.worker._inbox
+    inbox.topics.clock = fe.svc.dispatcher.topics.clock = lambda: now[0]
+    wid = w.worker.settings.worker_id
+    first = inbox.topics.current(wid)
+    await until(lambda: _async(first in inbox._window), 10, 0.05)
+    # The worker stops reading the current topic (it keeps heartbeating): the request waits in the broker.
+    consumer = inbox.reader.consumer
+    consumer.pause(TopicPartition(first, 0))
+    body = {"model": MODEL, "prompt": "Count", "max_tokens": 5, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        call = asyncio.create_task(c.post("/v1/completions", json=body))
+        await until(lambda: _async(first in fe.svc.dispatcher._sent_to.values()), 10, 0.02)
+        # The clocks move on until the topic lies behind the window.
+        now[0] += (inbox.topics.LAG + 2) * roll_s
+        ahead = inbox.topics.window(wid)[-1]
+        await until(lambda: _async(ahead in inbox._window), 10, 0.05)
+        # The inbox looked at `first` (behind the window now) in the same round that assigned `ahead`.
+        assert first in await topics(kafka), "a topic with an unread request was deleted"
+        assert not call.done()
+        consumer.resume(TopicPartition(first, 0))
+        answer = await call
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 5
+
+        async def deleted() -> bool:
+            return first not in await topics(kafka)
+
+        await until(deleted, 20, 0.1)
+        # Requests go on flowing through the current topic.
+        again = await c.post("/v1/completions", json=body)
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 5
+
+
+async def _async(value: bool) -> bool:
+    return value
+
+
+async def test_topics_ferry_creates_carry_their_retention(h: Harness, kafka: str) -> None:
+    model = f"bounds-{uuid.uuid4().hex[:6]}"  # pool and batch topics of their own (others made the default's)
+    w = await h.add_worker(
+        served_model_name=model, request_roll_s=60.0, kafka_request_retention_s=120.0, kafka_batch_retention_s=7200.0,
+        kafka_retention_bytes=5_000_000,
+    )  # fmt: skip
+    fe, _url = await h.add_frontend(
+        served_model_name=model, request_roll_s=60.0, kafka_request_retention_s=120.0, kafka_batch_retention_s=7200.0,
+        kafka_retention_bytes=5_000_000, resume_ttl_s=300.0,
+    )  # fmt: skip
+    wid = w.worker.settings.worker_id
+    short = {"cleanup.policy": "delete", "retention.ms": "120000", "retention.bytes": "5000000"}
+    batch = {"cleanup.policy": "delete", "retention.ms": "7200000", "retention.bytes": "5000000"}
+    replies = {"cleanup.policy": "delete", "retention.ms": "600000", "retention.bytes": "5000000"}
+    expected = {
+        w.worker._inbox.topic: short,
+        w.worker._inbox.topics.current(wid): short,
+        admin_topic(fe.settings.frontend_id): short,
+        reply_topic(fe.settings.frontend_id): replies,
+        pool_topic(model): batch,
+        batch_results_topic(model): batch,
+        batch_submit_topic(model): batch,
+    }
+    for topic, want in expected.items():
+        got = await configs_of(kafka, topic)
+        assert {k: got.get(k) for k in want} == want, topic
+
+
+async def test_deleted_replies_topics_stay_deleted(h: Harness, kafka: str) -> None:
+    # Workers' producers ask for the metadata of every topic they sent to whenever they meet a new one, and
+    # the embedded broker creates a topic anew when asked for it by name: the frontend's retired replies
+    # topics must not come back.
+    w = await h.add_worker()
+    fe, url = await h.add_frontend(replies_roll_records=10, resume_ttl_s=0.2)
+    base = reply_topic(fe.settings.frontend_id)
+    body = {"model": MODEL, "prompt": "Count", "max_tokens": 12, "ignore_eos": True}
+
+    async def rolls(n: int) -> None:
+        # Each wave of requests fills a replies topic; the next wave goes to a fresh one.
+        while (fe.metrics.registry.get_sample_value("ferry_reply_topic_rolls_total") or 0) < n:
+            answers = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(4)))
+            assert [a.status_code for a in answers] == [200] * 4
+
+    async def first_deleted() -> bool:
+        return base not in await topics(kafka)
+
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        await rolls(2)
+        await until(first_deleted, 20, 0.1)  # the frontend deletes it once idle and past its retention
+        w.worker._producer.forget_idle(0)  # at once, not after IDLE_TOPIC_S
+        await rolls(4)  # the worker's producer meets new topics again
+    assert base not in await topics(kafka), "a deleted replies topic was created again"
