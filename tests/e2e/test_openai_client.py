@@ -23,7 +23,7 @@ MODEL = "SmolLM2-135M-Instruct"
 QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest_asyncio.fixture(scope="session")
+@pytest_asyncio.fixture(scope="module")
 async def stack(model_path: Path) -> AsyncIterator[str]:
     """`ferry up` on a free port; yields the base URL once it printed its ready line."""
     child = await Child.spawn(
