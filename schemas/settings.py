@@ -234,6 +234,21 @@ class FrontendSettings(CommonSettings, RouterSettings, BatchSettings):
             "key for /v1/admin/* (and every other route); unset with --api-keys = admin routes closed"
         ),
     )
+    tenants: str = dataclasses.field(
+        default="",
+        metadata=_help(
+            "tenants file (TOML, docs/tenants.md): `[tenants.<name>]` with api_keys, weight, "
+            "requests_per_minute, tokens_per_minute, max_concurrent, priority; when set, only its keys (and "
+            "the admin key) are accepted, and --api-keys must be empty"
+        ),
+    )
+    tenants_fail_open: bool = dataclasses.field(
+        default=True,
+        metadata=_help(
+            "while Redis does not answer, admit tenants' requests without checking their quotas (logged, "
+            "metric ferry_tenant_quota_unchecked); --no-tenants-fail-open refuses them with 503 instead"
+        ),
+    )
     chat_template: str = dataclasses.field(
         default="",
         metadata=_help(
