@@ -378,7 +378,9 @@ class StackSettings:
     )
     monitor: bool = dataclasses.field(
         default=False,
-        metadata=_help("also start Prometheus (`make prometheus` installs it) scraping the stack through discovery"),
+        metadata=_help(
+            "also start Prometheus (`make prometheus` installs it) scraping the stack through discovery"
+        ),
     )
     ready_timeout_s: float = dataclasses.field(
         default=120.0, metadata=_help("give up if the stack is not ready within this many seconds")

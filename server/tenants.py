@@ -15,7 +15,6 @@ import msgspec
 
 from schemas.tenants import Tenant
 
-
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -71,3 +70,16 @@ def load_tenants(path: str) -> dict[str, Tenant]:
 def key_id(key: str) -> str:
     """A short stable id of an API key for usage records and logs (never the key itself)."""
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+
+
+def configured_tenants(path: str, api_keys: str) -> dict[str, Tenant]:
+    """The tenants of `--tenants` (none if unset); with tenants, `--api-keys` must be empty (a key in no tenant
+    would be unmetered, which the tenants file exists to prevent)."""
+    if not path:
+        return {}
+    if api_keys.strip():
+        raise TenantsError(
+            f"{path}: --tenants and --api-keys (FERRY_API_KEYS) are both set; with tenants, every user key "
+            "belongs to a tenant: move the keys into the tenants file"
+        )
+    return load_tenants(path)
