@@ -122,7 +122,9 @@ async def test_limiter_counts_requests_tokens_and_leases(rclient: aioredis.Redis
 async def test_redis_down_fails_open_or_closed(fail_open: bool, caplog: pytest.LogCaptureFixture) -> None:
     dead = aioredis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2)
     metrics = FrontendMetrics()
-    gate = QuotaGate(dead, "x:", {"a": Tenant(api_keys=["k"], max_concurrent=1)}, metrics, fail_open=fail_open)
+    gate = QuotaGate(
+        dead, "x:", {"a": Tenant(api_keys=["k"], max_concurrent=1)}, metrics, fail_open=fail_open
+    )
     try:
         for _ in range(3):  # never a hang, and the second and third do not wait on Redis again
             async with asyncio.timeout(2):
@@ -217,6 +219,7 @@ async def test_concurrency_is_released_after_disconnects(two_frontends: tuple[Ha
                 break
             for url in urls:
                 assert_429(await c.post(url + CHAT, json=chat(), headers=bearer("key-single")), "")
+
         # The client left mid-stream: the slot comes back.
         async def free() -> bool:
             r = await c.post(urls[1] + CHAT, json=chat(), headers=bearer("key-single"))
