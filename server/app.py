@@ -22,6 +22,7 @@ from server.kinds import CHAT, COMPLETION
 from server.metrics import FrontendMetrics
 from server.openapi import document_bytes
 from server.tenants import configured_tenants
+from server.tenants_fair import FairQueue, room_of
 from server.tenants_quota import QuotaGate
 
 log = logging.getLogger("ferry.frontend")
@@ -52,6 +53,14 @@ def create_app(settings: FrontendSettings) -> Starlette:
                 app.state.quota = await stack.enter_async_context(quota.running())
             fe = await stack.enter_async_context(start_frontend(settings, metrics))
             app.state.frontend = fe
+            if tenants:
+
+                def room() -> int:
+                    live = fe.pool.live(settings.served_model_name)
+                    return room_of(live, fe.svc.router.available(live), settings.busy_waiting)
+
+                fair = FairQueue(tenants, room, fe.pool.wait_refreshed, settings.busy_wait_s)
+                app.state.fair = await stack.enter_async_context(fair.running())
 
             def batch_workers() -> list[WorkerStatus]:
                 return fe.pool.live(settings.served_model_name)

@@ -17,6 +17,7 @@ from server.errors import APIError, from_validation_error
 from server.frontend import Frontend
 from server.metrics import FrontendMetrics
 from server.sse import SSEResponse
+from server.tenants_fair import FairQueue
 from server.tenants_quota import Lease, QuotaGate
 
 T = TypeVar("T")
@@ -114,6 +115,9 @@ async def admit_tenant(request: Request, prompt_tokens: int) -> dict[str, str]:
     lease = await quota.admit(tenant, prompt_tokens)
     request.state.lease = lease
     request.app.state.frontend.metrics.tenant_tokens.labels(tenant, "prompt").inc(prompt_tokens)
+    fair: FairQueue | None = getattr(request.app.state, "fair", None)
+    if fair is not None:
+        await fair.wait_turn(tenant, prompt_tokens)  # while workers are busy: in weighted-fair order
     return lease.headers
 
 
@@ -126,6 +130,9 @@ async def _end_tenant(request: Request, status: int) -> None:
     metrics: FrontendMetrics = request.app.state.frontend.metrics
     metrics.tenant_tokens.labels(lease.tenant, "completion").inc(lease.completion_tokens)
     metrics.tenant_requests.labels(lease.tenant, "ok" if status < 400 else "error").inc()
+    fair: FairQueue | None = getattr(request.app.state, "fair", None)
+    if fair is not None:
+        fair.charge(lease.tenant, lease.completion_tokens)
     # Shielded: a cancelled request still gives its concurrency slot back.
     await asyncio.shield(request.app.state.quota.release(lease))
 
