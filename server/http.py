@@ -117,6 +117,7 @@ async def admit_tenant(request: Request, prompt_tokens: int) -> dict[str, str]:
     request.app.state.frontend.metrics.tenant_tokens.labels(tenant, "prompt").inc(prompt_tokens)
     fair: FairQueue | None = getattr(request.app.state, "fair", None)
     if fair is not None:
+        fair.sync(lease.counters)
         await fair.wait_turn(tenant, prompt_tokens)  # while workers are busy: in weighted-fair order
     return lease.headers
 

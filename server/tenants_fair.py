@@ -8,13 +8,17 @@ tenant with the smallest counter. A tenant that starts waiting has its counter l
 counter among those waiting, so idling does not bank credit. A flood from one tenant thus queues behind its
 own share instead of ahead of everyone.
 
-The counters are this frontend's own: each frontend orders its own waiting requests (see docs/tenants.md).
+The counters are shared by every frontend through Redis: the quota script (server/tenants_quota.py) charges
+a request's prompt at admission and its completion at the end, and hands back every tenant's counter, which
+`sync` takes. While Redis does not answer (`SHARED_S` after the last sync) the frontend charges its own
+counters instead. The lift of a tenant that starts waiting is this frontend's own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +28,7 @@ from schemas.tenants import Tenant
 from server.errors import APIError
 
 _RANK = {"high": 0, "normal": 1, "low": 2}
+SHARED_S = 10.0  # counters synced from Redis this recently are Redis's to charge
 
 
 @dataclass
@@ -48,14 +53,25 @@ class FairQueue:
         self._room = room
         self._wait_refreshed = wait_refreshed
         self._max_wait_s = max_wait_s
+        self._synced_at = -SHARED_S
 
     def queued(self) -> int:
         """Requests waiting for their turn."""
         return sum(len(q) for q in self.waiting.values())
 
     def charge(self, tenant: str, tokens: float) -> None:
-        """Add served tokens to the tenant's virtual counter (scaled by its weight)."""
-        self.counters[tenant] += tokens / self.tenants[tenant].weight
+        """Add served tokens to the tenant's virtual counter (scaled by its weight), unless Redis does."""
+        if time.monotonic() - self._synced_at >= SHARED_S:
+            self.counters[tenant] += tokens / self.tenants[tenant].weight
+
+    def sync(self, shared: Mapping[str, float]) -> None:
+        """Take the counters every frontend charges in Redis (never lowering one this frontend lifted)."""
+        if not shared:
+            return
+        self._synced_at = time.monotonic()
+        for name, value in shared.items():
+            if name in self.counters:
+                self.counters[name] = max(self.counters[name], value)
 
     async def wait_turn(self, tenant: str, cost: int) -> None:
         """Return when it is this request's turn (at once while workers have room and nobody waits)."""

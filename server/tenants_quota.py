@@ -9,6 +9,10 @@ left of the minute), completion tokens when the request ends (in the window it e
 When Redis does not answer, requests are admitted unchecked (fail-open, the default: an outage of the quota
 store must not take serving down) or refused with 503 (`--no-tenants-fail-open`); either is logged and
 counted (`ferry_tenant_quota_unchecked` / `ferry_tenant_rejections{reason="redis"}`).
+
+The same script call charges the tenant's virtual token counter (weighted-fair admission,
+server/tenants_fair.py) and returns every tenant's, so the counters are shared by every frontend at no extra
+round trip.
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ REDIS_TIMEOUT_S = 0.5
 RETRY_REDIS_S = 1.0  # after a failure, Redis is not asked again for this long (no stall per request)
 WINDOW_S = 60
 
-# KEYS[1]: the tenant's key prefix. ARGV: rpm, tpm, max_concurrent, prompt tokens, lease id, lease ttl (ms).
+# KEYS[1]: the tenant's key prefix; KEYS[2]: the tenants' virtual token counters (a hash, server/tenants_fair.py).
+# ARGV: rpm, tpm, max_concurrent, prompt tokens, lease id, lease ttl (ms), virtual cost, tenant.
 # Returns {refused: "" | "requests" | "tokens" | "concurrency", requests used, tokens used, ms to reset,
-# leases held}.
+# leases held, every tenant's counter as a flat name/value list}.
 _ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -70,11 +75,14 @@ else
     redis.call('PEXPIRE', ck, tonumber(ARGV[6]))
     held = held + 1
   end
+  redis.call('HINCRBYFLOAT', KEYS[2], ARGV[8], ARGV[7])
+  redis.call('PEXPIRE', KEYS[2], 86400000)
 end
-return {refused, used_r, used_t, (win + 1) * 60000 - now, held}
+return {refused, used_r, used_t, (win + 1) * 60000 - now, held, redis.call('HGETALL', KEYS[2])}
 """
 
-# KEYS[1]: the tenant's key prefix. ARGV: lease id, completion tokens.
+# KEYS[1]: the tenant's key prefix; KEYS[2]: the virtual counters. ARGV: lease id, completion tokens,
+# virtual cost, tenant.
 _RELEASE = """
 local t = redis.call('TIME')
 local win = math.floor((tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)) / 60000)
@@ -84,6 +92,7 @@ if tokens > 0 then
   local tk = KEYS[1] .. 't:' .. win
   redis.call('INCRBY', tk, tokens)
   redis.call('PEXPIRE', tk, 120000)
+  redis.call('HINCRBYFLOAT', KEYS[2], ARGV[4], ARGV[3])
 end
 return 1
 """
@@ -106,6 +115,10 @@ def _reset_text(ms: int) -> str:
     return f"{int(s // 60)}m{int(s % 60)}s"
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 @dataclass
 class Lease:
     """A tenant's admitted request: its concurrency slot and what it is charged when it ends."""
@@ -116,6 +129,8 @@ class Lease:
     holds_slot: bool
     completion_tokens: int = 0
     released: bool = False
+    # Every tenant's virtual token counter as Redis held it at admission (empty when Redis did not answer).
+    counters: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -143,8 +158,13 @@ class QuotaGate:
         self.open: dict[str, Lease] = {}  # leases holding a concurrency slot, by id
 
     def _key(self, tenant: str) -> str:
-        # The hash tag keeps a tenant's keys in one slot (Redis Cluster runs a script on one slot).
-        return f"{self._prefix}tenant:{{{tenant}}}:"
+        # One hash tag for every tenant's keys: a script touches a tenant's keys and the shared counters,
+        # and Redis Cluster runs a script on one slot.
+        return f"{self._prefix}{{tenants}}:{tenant}:"
+
+    @property
+    def _counters_key(self) -> str:
+        return f"{self._prefix}{{tenants}}:vtc"
 
     def _redis_down(self, tenant: str, exc: BaseException) -> Lease:
         now = time.monotonic()
@@ -172,12 +192,12 @@ class QuotaGate:
             return self._redis_down(tenant, ConnectionError("Redis failed less than a second ago"))
         lease_id = secrets.token_hex(8)
         args: list[str | int] = [t.requests_per_minute, t.tokens_per_minute, t.max_concurrent, prompt_tokens, lease_id,
-                int(LEASE_TTL_S * 1000)]  # fmt: skip
+                int(LEASE_TTL_S * 1000), repr(prompt_tokens / t.weight), tenant]  # fmt: skip
         try:
             with self._metrics.redis_seconds.labels("tenant_admit").time():
                 async with asyncio.timeout(REDIS_TIMEOUT_S):
-                    refused, used_r, used_t, reset_ms, _held = await self._admit(
-                        keys=[self._key(tenant)], args=args
+                    refused, used_r, used_t, reset_ms, _held, flat = await self._admit(
+                        keys=[self._key(tenant), self._counters_key], args=args
                     )
         except Exception as exc:  # any failure of the store: the policy decides, never a hang
             return self._redis_down(tenant, exc)
@@ -187,6 +207,7 @@ class QuotaGate:
             self._metrics.tenant_rejections.labels(tenant, refused).inc()
             raise self._over(tenant, t, refused, int(reset_ms), headers)
         lease = Lease(tenant, lease_id, headers, holds_slot=t.max_concurrent > 0)
+        lease.counters = {_text(flat[i]): float(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
         if lease.holds_slot:
             self.open[lease_id] = lease
         self._metrics.tenant_inflight.labels(tenant).inc()
@@ -233,7 +254,13 @@ class QuotaGate:
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
                 await self._release(
-                    keys=[self._key(lease.tenant)], args=[lease.lease_id, lease.completion_tokens]
+                    keys=[self._key(lease.tenant), self._counters_key],
+                    args=[
+                        lease.lease_id,
+                        lease.completion_tokens,
+                        repr(lease.completion_tokens / self.tenants[lease.tenant].weight),
+                        lease.tenant,
+                    ],
                 )
         except Exception as exc:
             # The slot comes back when its lease expires (LEASE_TTL_S); the tokens are not charged.

@@ -99,7 +99,10 @@ async def test_limiter_counts_requests_tokens_and_leases(rclient: aioredis.Redis
         await gate.admit("t", 31)
     lease.completion_tokens = 20
     await gate.release(lease)
-    assert (await gate.admit("t", 10)).headers["x-ratelimit-remaining-tokens"] == "0"
+    last = await gate.admit("t", 10)
+    assert last.headers["x-ratelimit-remaining-tokens"] == "0"
+    # The virtual token counter (weighted-fair admission) was charged 70 + 20 + 10, and comes back with it.
+    assert last.counters["t"] == 100.0
     # Concurrency: two leases, the third refused until one is released; releasing twice frees one slot only.
     a, b = await gate.admit("c", 0), await gate.admit("c", 0)
     with pytest.raises(RateLimited) as info:
@@ -116,6 +119,16 @@ async def test_limiter_counts_requests_tokens_and_leases(rclient: aioredis.Redis
     await gate.release(b)
     await gate.release(c)
     assert not gate.open
+
+
+async def test_virtual_counters_are_shared_between_frontends(rclient: aioredis.Redis, prefix: str) -> None:
+    tenants = {"a": Tenant(api_keys=["a"], weight=2.0), "b": Tenant(api_keys=["b"])}
+    one, two = (QuotaGate(rclient, prefix, tenants, FrontendMetrics()) for _ in range(2))
+    lease = await one.admit("a", 100)
+    lease.completion_tokens = 50
+    await one.release(lease)
+    seen = await two.admit("b", 10)
+    assert seen.counters == {"a": 75.0, "b": 10.0}
 
 
 @pytest.mark.parametrize("fail_open", [True, False])

@@ -98,3 +98,27 @@ def test_room_counts_what_available_workers_can_take() -> None:
     w = [WorkerStatus(f"w{i}", "m", "sim", 16, 100, 2048, 0.0, 0.0, waiting=i) for i in range(3)]
     assert room_of(w, w[:2], 0) == 2
     assert room_of(w, w[:2], 4) == 4 + 3
+
+
+async def test_counters_synced_from_redis_order_the_queue_and_are_not_charged_twice() -> None:
+    busy = Busy()
+    q = queue(busy, a=Tenant(api_keys=["a"]), b=Tenant(api_keys=["b"]))
+    # Another frontend served `a` a lot: `a` waits behind `b` here too.
+    q.sync({"a": 500.0, "b": 10.0})
+    order: list[str] = []
+
+    async def one(tenant: str) -> None:
+        await q.wait_turn(tenant, 10)
+        order.append(tenant)
+
+    tasks = [asyncio.create_task(one(t)) for t in ("b", "a", "a", "b")]
+    await asyncio.sleep(0)
+    q.release(2)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert order == ["b", "b"]
+    assert q.counters == {"a": 500.0, "b": 10.0}  # Redis charges while synced
+    q.sync({"a": 400.0})
+    assert q.counters["a"] == 500.0  # never lowered
+    q.release(10)
+    await asyncio.gather(*tasks)
