@@ -478,3 +478,23 @@ class PlannerSettings(CommonSettings, PlannerPolicySettings):
     )
     planner_host: str = dataclasses.field(default="127.0.0.1", metadata=_help("bind address of /metrics"))
     planner_port: int = dataclasses.field(default=9200, metadata=_help("port of the planner's /metrics"))
+
+
+UsageGroup = Literal["tenant", "model", "key"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class UsageSettings:
+    """`ferry usage`: tenants' usage summed from the usage topic (cost attribution)."""
+
+    kafka: str = dataclasses.field(default="127.0.0.1:9092", metadata=_help("Kafka bootstrap servers"))
+    since: str = dataclasses.field(
+        default="24h",
+        metadata=_help(
+            "from when: a duration back from now (`90m`, `24h`, `7d`) or an ISO time (UTC if no zone)"
+        ),
+    )
+    by: UsageGroup = dataclasses.field(
+        default="tenant", metadata=_help("group by tenant, model or key (key id)")
+    )
+    csv: bool = dataclasses.field(default=False, metadata=_help("CSV instead of a table"))

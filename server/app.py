@@ -24,6 +24,7 @@ from server.openapi import document_bytes
 from server.tenants import configured_tenants
 from server.tenants_fair import FairQueue, room_of
 from server.tenants_quota import QuotaGate
+from server.tenants_usage import UsagePublisher
 
 log = logging.getLogger("ferry.frontend")
 
@@ -51,6 +52,8 @@ def create_app(settings: FrontendSettings) -> Starlette:
                     quota_redis, settings.redis_prefix, tenants, metrics, settings.tenants_fail_open
                 )
                 app.state.quota = await stack.enter_async_context(quota.running())
+                usage = UsagePublisher(settings.kafka, metrics)
+                app.state.usage = await stack.enter_async_context(usage.running())
             fe = await stack.enter_async_context(start_frontend(settings, metrics))
             app.state.frontend = fe
             if tenants:

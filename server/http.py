@@ -13,12 +13,14 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from schemas.openai import json_encoder
+from schemas.tenants import UsageRecord
 from server.errors import APIError, from_validation_error
 from server.frontend import Frontend
 from server.metrics import FrontendMetrics
 from server.sse import SSEResponse
 from server.tenants_fair import FairQueue
 from server.tenants_quota import Lease, QuotaGate
+from server.tenants_usage import UsagePublisher
 
 T = TypeVar("T")
 Handler = Callable[[Frontend, Request], Awaitable[Response]]
@@ -134,6 +136,15 @@ async def _end_tenant(request: Request, status: int) -> None:
     fair: FairQueue | None = getattr(request.app.state, "fair", None)
     if fair is not None:
         fair.charge(lease.tenant, lease.completion_tokens)
+    usage: UsagePublisher | None = getattr(request.app.state, "usage", None)
+    if usage is not None:
+        usage.publish(
+            UsageRecord(
+                at=time.time(), tenant=lease.tenant, key_id=getattr(request.state, "key_id", ""),
+                model=getattr(request.state, "model", ""), errors=int(status >= 400),
+                prompt_tokens=lease.prompt_tokens, completion_tokens=lease.completion_tokens,
+            )
+        )  # fmt: skip
     # Shielded: a cancelled request still gives its concurrency slot back.
     await asyncio.shield(request.app.state.quota.release(lease))
 

@@ -127,6 +127,7 @@ class Lease:
     lease_id: str
     headers: dict[str, str]
     holds_slot: bool
+    prompt_tokens: int = 0
     completion_tokens: int = 0
     released: bool = False
     # Every tenant's virtual token counter as Redis held it at admission (empty when Redis did not answer).
@@ -166,7 +167,7 @@ class QuotaGate:
     def _counters_key(self) -> str:
         return f"{self._prefix}{{tenants}}:vtc"
 
-    def _redis_down(self, tenant: str, exc: BaseException) -> Lease:
+    def _redis_down(self, tenant: str, exc: BaseException, prompt_tokens: int = 0) -> Lease:
         now = time.monotonic()
         self._down_until = now + RETRY_REDIS_S
         self._metrics.redis_errors.inc()
@@ -183,13 +184,15 @@ class QuotaGate:
                 code="redis_unavailable", retry_after=2,
             )  # fmt: skip
         self._metrics.tenant_quota_unchecked.labels(tenant).inc()
-        return Lease(tenant, "", {}, holds_slot=False)
+        return Lease(tenant, "", {}, holds_slot=False, prompt_tokens=prompt_tokens)
 
     async def admit(self, tenant: str, prompt_tokens: int) -> Lease:
         """Charge one request and its prompt tokens to `tenant`, or raise 429 (or 503 fail-closed)."""
         t = self.tenants[tenant]
         if time.monotonic() < self._down_until:
-            return self._redis_down(tenant, ConnectionError("Redis failed less than a second ago"))
+            return self._redis_down(
+                tenant, ConnectionError("Redis failed less than a second ago"), prompt_tokens
+            )
         lease_id = secrets.token_hex(8)
         args: list[str | int] = [t.requests_per_minute, t.tokens_per_minute, t.max_concurrent, prompt_tokens, lease_id,
                 int(LEASE_TTL_S * 1000), repr(prompt_tokens / t.weight), tenant]  # fmt: skip
@@ -200,13 +203,13 @@ class QuotaGate:
                         keys=[self._key(tenant), self._counters_key], args=args
                     )
         except Exception as exc:  # any failure of the store: the policy decides, never a hang
-            return self._redis_down(tenant, exc)
+            return self._redis_down(tenant, exc, prompt_tokens)
         refused = refused.decode() if isinstance(refused, bytes) else str(refused)
         headers = self._headers(t, int(used_r), int(used_t), int(reset_ms))
         if refused:
             self._metrics.tenant_rejections.labels(tenant, refused).inc()
             raise self._over(tenant, t, refused, int(reset_ms), headers)
-        lease = Lease(tenant, lease_id, headers, holds_slot=t.max_concurrent > 0)
+        lease = Lease(tenant, lease_id, headers, holds_slot=t.max_concurrent > 0, prompt_tokens=prompt_tokens)
         lease.counters = {_text(flat[i]): float(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
         if lease.holds_slot:
             self.open[lease_id] = lease

@@ -7,6 +7,7 @@ a minute first so the window cannot turn under it.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 
 from launch.services import free_port
+from launch.usage import read_usage, summarize
 from schemas.tenants import Tenant
 from server.errors import APIError
 from server.metrics import FrontendMetrics
@@ -39,6 +41,9 @@ max_concurrent = 1
 [tenants.tokens]
 api_keys = ["key-tokens"]
 tokens_per_minute = 60
+
+[tenants.meter]
+api_keys = ["key-meter-1", "key-meter-2"]
 """
 
 
@@ -243,3 +248,29 @@ async def test_concurrency_is_released_after_disconnects(two_frontends: tuple[Ha
         with pytest.raises(httpx.ReadTimeout):
             await c.post(urls[0] + CHAT, json=chat(max_tokens=400), headers=bearer("key-single"), timeout=0.3)
         await until(free, 10)
+
+
+async def test_usage_topic_totals_equal_the_responses(
+    two_frontends: tuple[Harness, list[str]], kafka: str
+) -> None:
+    _h, urls = two_frontends
+    since = time.time() - 1
+    prompt = completion = 0
+    async with httpx.AsyncClient(timeout=30) as c:
+        for i in range(4):
+            r = await c.post(
+                urls[i % 2] + CHAT, json=chat(f"Count {i}"), headers=bearer(f"key-meter-{i % 2 + 1}")
+            )
+            assert r.status_code == 200, r.text
+            prompt += r.json()["usage"]["prompt_tokens"]
+            completion += r.json()["usage"]["completion_tokens"]
+    expected = {"requests": 4, "errors": 0, "prompt_tokens": prompt, "cached_tokens": 0,
+                "completion_tokens": completion}  # fmt: skip
+
+    async def published() -> bool:
+        return summarize(await read_usage(kafka, since), "tenant").get("meter") == expected
+
+    await until(published, 20, period_s=0.5)
+    by_key = summarize([r for r in await read_usage(kafka, since) if r.tenant == "meter"], "key")
+    assert len(by_key) == 2 and sum(v["requests"] for v in by_key.values()) == 4
+    assert all("key-meter" not in k for k in by_key)  # key ids, never the keys
