@@ -174,9 +174,11 @@ async def two_frontends(
     path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
     path.write_text(TENANTS)
     async with harness(kafka, redis_url, f"t{uuid.uuid4().hex[:8]}:", model_path) as h:
-        await h.add_worker(speedup=5.0)
+        await h.add_worker(speedup=1.0)  # slow enough that a 400-token stream is still running when checked
         urls = [(await h.add_frontend(tenants=str(path), admin_key="admin-key"))[1] for _ in range(2)]
-        yield h, urls
+        # A third that sees every worker as busy (any KV usage is over 0) and waits 0.3 s for one.
+        _fe, busy = await h.add_frontend(tenants=str(path), busy_kv_usage=0.0, busy_wait_s=0.3)
+        yield h, [*urls, busy]
 
 
 async def test_unknown_key_is_401_and_admin_is_not_metered(two_frontends: tuple[Harness, list[str]]) -> None:
@@ -204,7 +206,7 @@ async def test_two_frontends_share_one_quota(
             assert r.headers["x-ratelimit-reset-requests"].endswith("s")
             remaining.append(int(r.headers["x-ratelimit-remaining-requests"]))
         assert remaining == [2, 1, 0]
-        for url in urls:  # over the quota on either frontend
+        for url in urls[:2]:  # over the quota on either frontend
             assert_429(await c.post(url + CHAT, json=chat(), headers=bearer("key-small")), "requests")
         # Streams carry the headers too, and count the same.
         r = await c.post(urls[0] + CHAT, json=chat(stream=True), headers=bearer("key-tokens"))
@@ -233,9 +235,10 @@ async def test_concurrency_is_released_after_disconnects(two_frontends: tuple[Ha
         # A stream holds the tenant's one slot, on every frontend.
         async with c.stream("POST", urls[0] + CHAT, json=long, headers=bearer("key-single")) as s:
             assert s.status_code == 200
-            async for _ in s.aiter_lines():
-                break
-            for url in urls:
+            # Kept referenced: breaking out of `async for` would let the iterator close the stream early.
+            lines = s.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+            for url in urls[:2]:
                 assert_429(await c.post(url + CHAT, json=chat(), headers=bearer("key-single")), "")
 
         # The client left mid-stream: the slot comes back.
@@ -274,3 +277,14 @@ async def test_usage_topic_totals_equal_the_responses(
     by_key = summarize([r for r in await read_usage(kafka, since) if r.tenant == "meter"], "key")
     assert len(by_key) == 2 and sum(v["requests"] for v in by_key.values()) == 4
     assert all("key-meter" not in k for k in by_key)  # key ids, never the keys
+
+
+async def test_concurrency_is_released_after_errors(two_frontends: tuple[Harness, list[str]]) -> None:
+    _h, urls = two_frontends
+    async with httpx.AsyncClient(timeout=30) as c:
+        # Admitted (the tenant's one slot taken), then refused after waiting for a worker: 503, slot released.
+        for _ in range(3):
+            r = await c.post(urls[2] + CHAT, json=chat(), headers=bearer("key-single"))
+            assert r.status_code == 503 and r.json()["error"]["code"] == "workers_busy", r.text
+        r = await c.post(urls[0] + CHAT, json=chat(), headers=bearer("key-single"))
+        assert r.status_code == 200, r.text
