@@ -1,4 +1,4 @@
-"""The `ferry` command: up, frontend, worker, batch, planner, model prepare."""
+"""The `ferry` command: up, frontend, worker, batch, usage, planner, model prepare."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ commands:
   worker          one worker process (engine behind a Kafka topic)
   model prepare   build the default model directory (SmolLM2-135M-Instruct) once
   batch           submit a JSONL batch, follow it, fetch its results, cancel it (`ferry batch --help`)
+  usage           tenants' usage from the usage topic, by tenant, model or key (`ferry usage --help`)
   planner         the autoscaler: sizes the worker fleet to TTFT/ITL targets (Kubernetes, KEDA)
 
 Run `ferry COMMAND --help` for the flags of a command. Every flag can also be set through a
@@ -50,6 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from launch.batch import main as batch_main
 
         return batch_main(rest)
+    if cmd == "usage":
+        from launch.usage import main as usage_main
+
+        return usage_main(rest)
     if cmd == "planner":
         from launch.planner import main as planner_main
 

@@ -15,6 +15,7 @@ import uvicorn
 from launch.flags import load
 from schemas.settings import FrontendSettings
 from server.app import create_app
+from server.tenants import TenantsError
 
 READY_MARK = "ferry-frontend-ready"
 
@@ -60,7 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except TenantsError as exc:
+        raise SystemExit(f"ferry frontend: {exc}") from None
     config = uvicorn.Config(
         app,
         host=settings.host,

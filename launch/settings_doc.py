@@ -17,6 +17,7 @@ from schemas.settings import (
     PlannerPolicySettings,
     PlannerSettings,
     StackSettings,
+    UsageSettings,
     WorkerSettings,
 )
 
@@ -39,6 +40,7 @@ def markdown_tables() -> str:
         ("Worker only (`ferry worker`)", "", WorkerSettings, common),
         ("Planner only (`ferry planner`)", "", PlannerSettings, common),
         (UP_TITLE, up_intro, StackSettings, set()),
+        ("`ferry usage`", "Also takes `--kafka`. Its own flags:", UsageSettings, common),
     ]
     out: list[str] = []
     for title, intro, cls, skip in tables:

@@ -18,6 +18,7 @@ from launch.flags import ENGINE_EPILOG, EPILOG, add_flags, from_namespace, given
 from launch.monitor import Monitor, start_monitor
 from launch.services import Child, free_port, start_broker, start_redis
 from schemas.settings import FrontendSettings, PlannerPolicySettings, StackSettings, WorkerSettings
+from server.tenants import TenantsError, configured_tenants
 
 log = logging.getLogger("ferry.stack")
 
@@ -73,6 +74,10 @@ def load_stack(argv: Sequence[str] | None = None) -> Stack:
     # and a key set through FERRY_API_KEYS stays out of `ps`.
     passed = given(ns) - set(_CHOSEN)
     settings, planner = from_namespace(StackSettings, ns), from_namespace(PlannerPolicySettings, ns)
+    try:  # a bad tenants file stops `ferry up` before anything starts
+        configured_tenants(frontend.tenants, frontend.api_keys)
+    except TenantsError as exc:
+        raise SystemExit(f"ferry up: {exc}") from None
     if settings.autoscale and not planner.min_workers <= settings.workers <= planner.max_workers:
         raise SystemExit(
             f"ferry up --autoscale: --workers {settings.workers} (the starting count) must lie between "

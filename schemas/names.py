@@ -168,3 +168,8 @@ class RedisKeys:
     def stream_reader(self, request_id: str) -> str:
         """Present while a client reads a resumed stream: its request must keep running."""
         return f"{self.prefix}stream:{request_id}:reader"
+
+
+def usage_topic() -> str:
+    """Topic every frontend publishes tenants' per-request usage to (`ferry usage` reads it)."""
+    return "ferry.usage"

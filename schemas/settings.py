@@ -259,6 +259,21 @@ class FrontendSettings(CommonSettings, RouterSettings, BatchSettings):
             "key for /v1/admin/* (and every other route); unset with --api-keys = admin routes closed"
         ),
     )
+    tenants: str = dataclasses.field(
+        default="",
+        metadata=_help(
+            "tenants file (TOML, docs/tenants.md): `[tenants.<name>]` with api_keys, weight, "
+            "requests_per_minute, tokens_per_minute, max_concurrent, priority; when set, only its keys (and "
+            "the admin key) are accepted, and --api-keys must be empty"
+        ),
+    )
+    tenants_fail_open: bool = dataclasses.field(
+        default=True,
+        metadata=_help(
+            "while Redis does not answer, admit tenants' requests without checking their quotas (logged, "
+            "metric ferry_tenant_quota_unchecked); --no-tenants-fail-open refuses them with 503 instead"
+        ),
+    )
     chat_template: str = dataclasses.field(
         default="",
         metadata=_help(
@@ -388,7 +403,9 @@ class StackSettings:
     )
     monitor: bool = dataclasses.field(
         default=False,
-        metadata=_help("also start Prometheus (`make prometheus` installs it) scraping the stack through discovery"),
+        metadata=_help(
+            "also start Prometheus (`make prometheus` installs it) scraping the stack through discovery"
+        ),
     )
     ready_timeout_s: float = dataclasses.field(
         default=120.0, metadata=_help("give up if the stack is not ready within this many seconds")
@@ -486,3 +503,23 @@ class PlannerSettings(CommonSettings, PlannerPolicySettings):
     )
     planner_host: str = dataclasses.field(default="127.0.0.1", metadata=_help("bind address of /metrics"))
     planner_port: int = dataclasses.field(default=9200, metadata=_help("port of the planner's /metrics"))
+
+
+UsageGroup = Literal["tenant", "model", "key"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class UsageSettings:
+    """`ferry usage`: tenants' usage summed from the usage topic (cost attribution)."""
+
+    kafka: str = dataclasses.field(default="127.0.0.1:9092", metadata=_help("Kafka bootstrap servers"))
+    since: str = dataclasses.field(
+        default="24h",
+        metadata=_help(
+            "from when: a duration back from now (`90m`, `24h`, `7d`) or an ISO time (UTC if no zone)"
+        ),
+    )
+    by: UsageGroup = dataclasses.field(
+        default="tenant", metadata=_help("group by tenant, model or key (key id)")
+    )
+    csv: bool = dataclasses.field(default=False, metadata=_help("CSV instead of a table"))

@@ -6,6 +6,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+import redis.asyncio as aioredis
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
@@ -20,39 +21,70 @@ from server.http import Gate
 from server.kinds import CHAT, COMPLETION
 from server.metrics import FrontendMetrics
 from server.openapi import document_bytes
+from server.tenants import configured_tenants
+from server.tenants_fair import FairQueue, room_of
+from server.tenants_quota import QuotaGate
+from server.tenants_usage import UsagePublisher
 
 log = logging.getLogger("ferry.frontend")
 
 
 def create_app(settings: FrontendSettings) -> Starlette:
     """The ASGI app of one frontend; `app.state.frontend` is the started Frontend while it runs."""
+    tenants = configured_tenants(settings.tenants, settings.api_keys)  # TenantsError: start-up stops
     api_keys = parse_keys(settings.api_keys)
-    if not api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
+    if not api_keys and not tenants and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without API keys: anyone who can reach it may use it", settings.host)
-    if api_keys and not settings.admin_key:
+    if (api_keys or tenants) and not settings.admin_key:
         log.info("API keys set but no admin key: /v1/admin/* is closed to every caller")
     metrics = FrontendMetrics()
     batch = BatchService(settings)  # the Files and Batches API (server/batch/)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with start_frontend(settings, metrics) as fe:
+        async with contextlib.AsyncExitStack() as stack:
+            if tenants:
+                quota_redis = aioredis.from_url(
+                    settings.redis, socket_timeout=2.0, socket_connect_timeout=1.0
+                )
+                stack.push_async_callback(quota_redis.aclose)
+                quota = QuotaGate(
+                    quota_redis, settings.redis_prefix, tenants, metrics, settings.tenants_fail_open
+                )
+                app.state.quota = await stack.enter_async_context(quota.running())
+                usage = UsagePublisher(settings.kafka, metrics)
+                app.state.usage = await stack.enter_async_context(usage.running())
+            fe = await stack.enter_async_context(start_frontend(settings, metrics))
             app.state.frontend = fe
+            if tenants:
+
+                def room() -> int:
+                    live = fe.pool.live(settings.served_model_name)
+                    return room_of(live, fe.svc.router.available(live), settings.busy_waiting)
+
+                fair = FairQueue(tenants, room, fe.pool.wait_refreshed, settings.busy_wait_s)
+                app.state.fair = await stack.enter_async_context(fair.running())
 
             def batch_workers() -> list[WorkerStatus]:
                 return fe.pool.live(settings.served_model_name)
 
-            async with batch.running(fe.pre, fe.fmt, batch_workers):
-                yield
+            await stack.enter_async_context(batch.running(fe.pre, fe.fmt, batch_workers))
+            yield
 
     app = Starlette(
         routes=[*endpoints.routes(CHAT), *endpoints.routes(COMPLETION), *routes.routes(), *batch_routes()],
         lifespan=lifespan,
-        exception_handlers={404: routes.not_found, 405: routes.method_not_allowed, Exception: routes.internal_error},
-        middleware=[Middleware(APIKeyAuth, api_keys=api_keys, admin_key=settings.admin_key)],
+        exception_handlers={
+            404: routes.not_found,
+            405: routes.method_not_allowed,
+            Exception: routes.internal_error,
+        },
+        middleware=[Middleware(APIKeyAuth, api_keys=api_keys, admin_key=settings.admin_key, tenants=tenants)],
     )
     # Exists before the frontend starts: SIGTERM may come at any time (launch/frontend.py).
     app.state.gate = Gate(settings.max_concurrent_requests, metrics)
     app.state.batch = batch
-    app.state.openapi = document_bytes(settings.served_model_name, bool(api_keys or settings.admin_key))
+    app.state.openapi = document_bytes(
+        settings.served_model_name, bool(api_keys or tenants or settings.admin_key)
+    )
     return app

@@ -4,17 +4,23 @@ Everything is closed except a short list of operational paths (health, readiness
 document), so a route added later is protected without anyone remembering to. `/v1/admin/*` needs the admin
 key. Keys are compared as SHA-256 digests with `hmac.compare_digest` against every configured key, so neither
 the time taken nor an early exit tells a caller how much of a key was right or which key it was near.
+
+With tenants (`--tenants`, docs/tenants.md) the user keys are the tenants' keys: a request's tenant and key id
+are put in its scope's state (`request.state.tenant`, `request.state.key_id`) for quotas and usage; a key in
+no tenant is 401. The admin key belongs to no tenant and is not metered.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from schemas.tenants import Tenant
 from server.errors import APIError
+from server.tenants import key_id
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/discovery/prometheus", "/openapi.json"})
 ADMIN_PREFIX = "/v1/admin"
@@ -36,6 +42,15 @@ def _matches(digest: bytes, allowed: Iterable[bytes]) -> bool:
     for candidate in allowed:
         # No early exit: the time taken does not depend on which key matched.
         found |= hmac.compare_digest(digest, candidate)
+    return found
+
+
+def _owner(digest: bytes, owners: list[tuple[bytes, str, str]]) -> tuple[str, str] | None:
+    """The (tenant, key id) of the key with `digest`, comparing against every key (no early exit)."""
+    found = None
+    for candidate, tenant, kid in owners:
+        if hmac.compare_digest(digest, candidate):
+            found = (tenant, kid)
     return found
 
 
@@ -75,9 +90,18 @@ def _not_admin() -> APIError:
 class APIKeyAuth:
     """Pure ASGI middleware (streams pass through untouched) enforcing API and admin keys."""
 
-    def __init__(self, app: ASGIApp, api_keys: Iterable[str] = (), admin_key: str = "") -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_keys: Iterable[str] = (),
+        admin_key: str = "",
+        tenants: Mapping[str, Tenant] | None = None,
+    ) -> None:
         self.app = app
-        self._user = [_digest(k) for k in api_keys]
+        self._owners = [
+            (_digest(k), name, key_id(k)) for name, t in (tenants or {}).items() for k in t.api_keys
+        ]
+        self._user = [_digest(k) for k in api_keys] + [d for d, _, _ in self._owners]
         self._admin = [_digest(admin_key)] if admin_key else []
         self.enabled = bool(self._user or self._admin)
 
@@ -102,8 +126,14 @@ class APIKeyAuth:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Refuse an unauthorized HTTP request with an OpenAI-style 401 before any route runs."""
         if scope["type"] == "http":
-            error = self.check(scope["path"], _bearer(scope))
+            token = _bearer(scope)
+            error = self.check(scope["path"], token)
             if error is not None:
                 await error.response()(scope, receive, send)
                 return
+            if self._owners and token is not None:
+                owner = _owner(_digest(token), self._owners)
+                if owner is not None:
+                    state = scope.setdefault("state", {})
+                    state["tenant"], state["key_id"] = owner
         await self.app(scope, receive, send)

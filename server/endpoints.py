@@ -13,7 +13,7 @@ from schemas.streams import StreamRecord
 from server.errors import APIError
 from server.frontend import Frontend
 from server.generation import Generation, new_id
-from server.http import decode, json_response, read_body, route, until_disconnect
+from server.http import admit_tenant, decode, json_response, read_body, route, until_disconnect
 from server.kinds import KINDS, Kind
 from server.responses import collect, stream
 from server.resume import Replay, parse_last_event_id
@@ -66,13 +66,16 @@ async def _generate(kind: Kind, fe: Frontend, request: Request) -> Response:
         prepared = await kind.prepare(fe.pre, req, max_len)
     if fe.settings.log_prompts:
         log.info("%s prompt(s): %r", kind.name, prepared.prompt_texts)  # only when asked: prompts are private
-    fe.metrics.prompt_tokens.inc(sum(len(p) for p in prepared.prompts))
+    prompt_tokens = sum(len(p) for p in prepared.prompts)
+    fe.metrics.prompt_tokens.inc(prompt_tokens)
+    limits = await admit_tenant(request, prompt_tokens)  # 429 over the tenant's quota
     resumable = _wants_resumable(request) and prepared.stream
     gen = Generation(fe.svc, req.model, prepared, new_id(kind.id_prefix), resumable, request.state.arrived)
+    request.state.completion_tokens = lambda: sum(len(s.token_ids) for s in gen.stream.sequences.values())
     await gen.start()
     echo = kind.echo(req)
     if prepared.stream:
-        headers = {**_headers(gen), **await _remember(fe, gen, kind, echo)}
+        headers = {**_headers(gen), **await _remember(fe, gen, kind, echo), **limits}
         return SSEResponse(stream(gen, kind.events(gen, fe.fmt, echo), ids=gen.resumable), headers)  # type: ignore[return-value]
     try:
         states = await until_disconnect(request, collect(gen))
@@ -82,7 +85,7 @@ async def _generate(kind: Kind, fe: Frontend, request: Request) -> Response:
     spec = gen.spec
     done = Finished(gen.id, gen.created, gen.model, states, spec.logprobs, spec.prompt_lens, spec.n,
                     spec.prompt_texts if echo else None, spec.tools)  # fmt: skip
-    return json_response(kind.whole(done, fe.fmt), _headers(gen))
+    return json_response(kind.whole(done, fe.fmt), {**_headers(gen), **limits})
 
 
 async def _resume(kind: Kind, fe: Frontend, request: Request) -> Response:

@@ -13,10 +13,14 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from schemas.openai import json_encoder
+from schemas.tenants import UsageRecord
 from server.errors import APIError, from_validation_error
 from server.frontend import Frontend
 from server.metrics import FrontendMetrics
 from server.sse import SSEResponse
+from server.tenants_fair import FairQueue
+from server.tenants_quota import Lease, QuotaGate
+from server.tenants_usage import UsagePublisher
 
 T = TypeVar("T")
 Handler = Callable[[Frontend, Request], Awaitable[Response]]
@@ -49,7 +53,9 @@ class Gate:
             )
         # `inflight` already counts this request.
         if self.inflight > self._max:
-            raise APIError(503, "The server is at capacity; try again shortly.", code="overloaded", retry_after=1)
+            raise APIError(
+                503, "The server is at capacity; try again shortly.", code="overloaded", retry_after=1
+            )
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -99,13 +105,58 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
+async def admit_tenant(request: Request, prompt_tokens: int) -> dict[str, str]:
+    """Charge the request to its tenant's quota (429 over it); the `x-ratelimit-*` headers for its response.
+
+    The tenant's place is given back when the response ends, whatever ends it (`route`, `_HeldInFlight`).
+    """
+    quota: QuotaGate | None = getattr(request.app.state, "quota", None)
+    tenant: str | None = getattr(request.state, "tenant", None)
+    if quota is None or tenant is None:
+        return {}  # no tenants, or the admin key (not metered)
+    lease = await quota.admit(tenant, prompt_tokens)
+    request.state.lease = lease
+    request.app.state.frontend.metrics.tenant_tokens.labels(tenant, "prompt").inc(prompt_tokens)
+    fair: FairQueue | None = getattr(request.app.state, "fair", None)
+    if fair is not None:
+        fair.sync(lease.counters)
+        await fair.wait_turn(tenant, prompt_tokens)  # while workers are busy: in weighted-fair order
+    return lease.headers
+
+
+async def _end_tenant(request: Request, status: int) -> None:
+    lease: Lease | None = getattr(request.state, "lease", None)
+    if lease is None or lease.released:
+        return
+    count = getattr(request.state, "completion_tokens", None)
+    lease.completion_tokens = count() if count is not None else 0
+    metrics: FrontendMetrics = request.app.state.frontend.metrics
+    metrics.tenant_tokens.labels(lease.tenant, "completion").inc(lease.completion_tokens)
+    metrics.tenant_requests.labels(lease.tenant, "ok" if status < 400 else "error").inc()
+    fair: FairQueue | None = getattr(request.app.state, "fair", None)
+    if fair is not None:
+        fair.charge(lease.tenant, lease.completion_tokens)
+    usage: UsagePublisher | None = getattr(request.app.state, "usage", None)
+    if usage is not None:
+        usage.publish(
+            UsageRecord(
+                at=time.time(), tenant=lease.tenant, key_id=getattr(request.state, "key_id", ""),
+                model=getattr(request.state, "model", ""), errors=int(status >= 400),
+                prompt_tokens=lease.prompt_tokens, completion_tokens=lease.completion_tokens,
+            )
+        )  # fmt: skip
+    # Shielded: a cancelled request still gives its concurrency slot back.
+    await asyncio.shield(request.app.state.quota.release(lease))
+
+
 class _HeldInFlight:
     """A streamed response that keeps its request's place among those in flight until the stream ends."""
 
-    def __init__(self, response: SSEResponse, gate: Gate) -> None:
+    def __init__(self, response: SSEResponse, gate: Gate, request: Request) -> None:
         self.response = response
         self.status_code = 200
         self._gate = gate
+        self._request = request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Send the stream, then give the place back whatever happened."""
@@ -113,9 +164,12 @@ class _HeldInFlight:
             await self.response(scope, receive, send)
         finally:
             self._gate.leave()
+            await _end_tenant(self._request, 200)
 
 
-def route(endpoint: str, admit: bool = False) -> Callable[[Handler], Callable[[Request], Awaitable[Response]]]:
+def route(
+    endpoint: str, admit: bool = False
+) -> Callable[[Handler], Callable[[Request], Awaitable[Response]]]:
     """Wrap a handler: errors become OpenAI bodies; in-flight requests, status and latency are counted.
 
     With `admit`, the request is refused (503) while draining or over the concurrency limit.
@@ -139,7 +193,7 @@ def route(endpoint: str, admit: bool = False) -> Callable[[Handler], Callable[[R
                 if isinstance(response, SSEResponse):
                     # A stream is in flight until its last event is sent, not when its handler returns.
                     held = True
-                    return _HeldInFlight(response, gate)  # type: ignore[return-value]
+                    return _HeldInFlight(response, gate, request)  # type: ignore[return-value]
                 return response
             except APIError as err:
                 status, code = err.status, err.code or str(err.status)
@@ -150,6 +204,7 @@ def route(endpoint: str, admit: bool = False) -> Callable[[Handler], Callable[[R
             finally:
                 if not held:
                     gate.leave()
+                    await _end_tenant(request, status)
                 fe.metrics.requests.labels(endpoint, str(status)).inc()
                 if status >= 400 and not getattr(request.state, "error_counted", False):
                     fe.metrics.errors.labels(getattr(request.state, "model", ""), code, "request").inc()

@@ -99,10 +99,16 @@ class FrontendMetrics:
             registry=r,
         )
         self.router_decisions = Counter(
-            "ferry_router_decisions", "Sequences routed, by policy and worker", ["policy", "worker"], registry=r
+            "ferry_router_decisions",
+            "Sequences routed, by policy and worker",
+            ["policy", "worker"],
+            registry=r,
         )
         self.kafka_produce_seconds = Histogram(
-            "ferry_kafka_produce_seconds", "Produce-to-ack latency of requests", buckets=_FAST_BUCKETS, registry=r
+            "ferry_kafka_produce_seconds",
+            "Produce-to-ack latency of requests",
+            buckets=_FAST_BUCKETS,
+            registry=r,
         )
         self.kafka_errors = Counter("ferry_kafka_errors", "Produces that failed", registry=r)
         self.kafka_lag = Gauge(
@@ -117,7 +123,9 @@ class FrontendMetrics:
         self.redis_up.set(1)
         self.live_workers = Gauge("ferry_live_workers", "Workers in the registry", registry=r)
         self.queue_depth = Gauge(
-            "ferry_router_queue_depth", "Requests waiting in the frontend because every worker is busy", registry=r
+            "ferry_router_queue_depth",
+            "Requests waiting in the frontend because every worker is busy",
+            registry=r,
         )
         self.reply_topic_rolls = Counter(
             "ferry_reply_topic_rolls", "Times the frontend started a fresh replies topic", registry=r
@@ -139,17 +147,44 @@ class FrontendMetrics:
             "ferry_router_decision_seconds", "Time to choose a worker", buckets=_FAST_BUCKETS, registry=r
         )
         self.predicted_cached_tokens = Counter(
-            "ferry_router_predicted_cached_tokens", "Prompt tokens the router expected to be cached", registry=r
+            "ferry_router_predicted_cached_tokens",
+            "Prompt tokens the router expected to be cached",
+            registry=r,
         )
         self.kv_index_up = Gauge("ferry_router_kv_index_up", "1 while the KV index answers", registry=r)
         self.kv_index_up.set(1)
         self.busy_waits = Counter(
-            "ferry_router_busy_waits", "Requests that waited because every worker was busy", ["outcome"],
+            "ferry_router_busy_waits",
+            "Requests that waited because every worker was busy",
+            ["outcome"],
             registry=r,
         )
         self.tokenize_seconds = Histogram(
             "ferry_tokenize_seconds", "Chat templating and tokenization", buckets=_FAST_BUCKETS, registry=r
         )
+
+        # Per tenant: tenant names come from the tenants file, so these label sets are bounded.
+        self.tenant_requests = Counter(
+            "ferry_tenant_requests", "Generation requests of a tenant that were admitted, by outcome (ok, error)",
+            ["tenant", "outcome"], registry=r,
+        )  # fmt: skip
+        self.tenant_tokens = Counter(
+            "ferry_tenant_tokens", "Tokens of a tenant's admitted requests, by kind (prompt, completion)",
+            ["tenant", "kind"], registry=r,
+        )  # fmt: skip
+        self.tenant_rejections = Counter(
+            "ferry_tenant_rejections",
+            "A tenant's requests refused by its quota: reason requests, tokens, concurrency (429) or redis (503)",
+            ["tenant", "reason"], registry=r,
+        )  # fmt: skip
+        self.tenant_inflight = Gauge(
+            "ferry_tenant_inflight", "A tenant's admitted requests in progress on this frontend", ["tenant"],
+            registry=r,
+        )  # fmt: skip
+        self.tenant_quota_unchecked = Counter(
+            "ferry_tenant_quota_unchecked", "A tenant's requests admitted without a quota check (Redis down)",
+            ["tenant"], registry=r,
+        )  # fmt: skip
 
     def for_model(self, model: str) -> ModelMetrics:
         """The request metrics of `model`, bound once per model."""

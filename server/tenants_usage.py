@@ -1,0 +1,61 @@
+"""Tenants' usage, one record per finished generation request, published to the usage topic.
+
+Records are sent without waiting for the broker's ack (the response is over by then; a slow broker must not
+hold anything up); a send that fails is logged and counted, and its usage is missing from `ferry usage`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import msgspec
+from aiokafka import AIOKafkaProducer
+
+from bus.topics import ensure_topics
+from schemas.names import usage_topic
+from schemas.tenants import UsageRecord
+from server.metrics import FrontendMetrics
+
+log = logging.getLogger("ferry.tenants")
+_encoder = msgspec.json.Encoder()
+
+
+class UsagePublisher:
+    """Publishes UsageRecords keyed by tenant (a tenant's records stay in order on one partition)."""
+
+    def __init__(self, kafka: str, metrics: FrontendMetrics) -> None:
+        self._kafka = kafka
+        self._metrics = metrics
+        # Batched: usage is not latency-sensitive.
+        self._producer = AIOKafkaProducer(bootstrap_servers=kafka, linger_ms=50, request_timeout_ms=10_000)
+        self._pending: set[asyncio.Task[None]] = set()
+
+    def publish(self, record: UsageRecord) -> None:
+        """Queue one record for the usage topic."""
+        task = asyncio.create_task(self._send(record))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _send(self, record: UsageRecord) -> None:
+        try:
+            await self._producer.send_and_wait(
+                usage_topic(), _encoder.encode(record), key=record.tenant.encode()
+            )
+        except Exception as exc:
+            self._metrics.kafka_errors.inc()
+            log.warning("usage of tenant %s not published (%r)", record.tenant, exc)
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[UsagePublisher]:
+        """Start the producer; on exit, send what is queued (bounded) and stop."""
+        await ensure_topics(self._kafka, {usage_topic(): 1})
+        await self._producer.start()
+        try:
+            yield self
+        finally:
+            if self._pending:
+                await asyncio.wait(list(self._pending), timeout=5)
+            await self._producer.stop()

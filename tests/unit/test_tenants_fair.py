@@ -1,0 +1,124 @@
+"""Weighted-fair admission: a flood from one tenant queues behind its own share while workers are busy."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from schemas.status import WorkerStatus
+from schemas.tenants import Tenant
+from server.errors import APIError
+from server.tenants_fair import FairQueue, room_of
+
+
+class Busy:
+    """Stands in for the pool: `room` free places until the test lets more through."""
+
+    def __init__(self) -> None:
+        self.room = 0
+        self.refreshed = asyncio.Event()
+
+    async def wait_refreshed(self, timeout_s: float) -> None:
+        await asyncio.sleep(3600)
+
+
+def queue(busy: Busy, **tenants: Tenant) -> FairQueue:
+    return FairQueue(tenants, lambda: busy.room, busy.wait_refreshed, max_wait_s=5.0)
+
+
+async def test_free_room_lets_requests_straight_through_and_charges_them() -> None:
+    busy = Busy()
+    busy.room = 1
+    q = queue(busy, a=Tenant(api_keys=["a"], weight=2.0))
+    await q.wait_turn("a", 100)
+    assert q.counters["a"] == 50.0 and q.queued() == 0
+
+
+async def test_a_flood_queues_behind_its_own_share() -> None:
+    busy = Busy()
+    q = queue(busy, flood=Tenant(api_keys=["f"]), quiet=Tenant(api_keys=["q"]))
+    order: list[str] = []
+
+    async def one(tenant: str) -> None:
+        await q.wait_turn(tenant, 10)
+        order.append(tenant)
+
+    tasks = [asyncio.create_task(one("flood")) for _ in range(20)]
+    await asyncio.sleep(0)
+    tasks += [asyncio.create_task(one("quiet")) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert q.queued() == 23
+    for _ in range(8):  # one place per refresh
+        q.release(1)
+        await asyncio.sleep(0)
+    # Arrival order would serve 20 flood requests first; fair order alternates from the start.
+    assert order[:6].count("quiet") == 3, order
+    q.release(100)
+    await asyncio.gather(*tasks)
+    assert len(order) == 23
+
+
+async def test_weight_and_priority_order_the_tenants() -> None:
+    busy = Busy()
+    q = queue(
+        busy, light=Tenant(api_keys=["l"]), heavy=Tenant(api_keys=["h"], weight=3.0),
+        vip=Tenant(api_keys=["v"], priority="high"),
+    )  # fmt: skip
+    order: list[str] = []
+
+    async def one(tenant: str) -> None:
+        await q.wait_turn(tenant, 10)
+        order.append(tenant)
+
+    tasks = [asyncio.create_task(one(t)) for t in ["light"] * 8 + ["heavy"] * 8]
+    await asyncio.sleep(0)
+    vip = asyncio.create_task(one("vip"))
+    await asyncio.sleep(0)
+    for _ in range(9):
+        q.release(1)
+        await asyncio.sleep(0)
+    assert order[0] == "vip"
+    # Weight 3 gets about three times the turns of weight 1 (arrival order would give it none of these 8).
+    assert 5 <= order[1:9].count("heavy") <= 6, order
+    q.release(100)
+    await asyncio.gather(*tasks, vip)
+
+
+async def test_waiting_too_long_is_503_and_leaves_the_queue() -> None:
+    busy = Busy()
+    q = FairQueue({"a": Tenant(api_keys=["a"])}, lambda: busy.room, busy.wait_refreshed, max_wait_s=0.05)
+    with pytest.raises(APIError) as info:
+        await q.wait_turn("a", 1)
+    assert info.value.status == 503 and info.value.code == "workers_busy"
+    assert q.queued() == 0
+
+
+def test_room_counts_what_available_workers_can_take() -> None:
+    w = [WorkerStatus(f"w{i}", "m", "sim", 16, 100, 2048, 0.0, 0.0, waiting=i) for i in range(3)]
+    assert room_of(w, w[:2], 0) == 2
+    assert room_of(w, w[:2], 4) == 4 + 3
+
+
+async def test_counters_synced_from_redis_order_the_queue_and_are_not_charged_twice() -> None:
+    busy = Busy()
+    q = queue(busy, a=Tenant(api_keys=["a"]), b=Tenant(api_keys=["b"]))
+    # Another frontend served `a` a lot: `a` waits behind `b` here too.
+    q.sync({"a": 500.0, "b": 10.0})
+    order: list[str] = []
+
+    async def one(tenant: str) -> None:
+        await q.wait_turn(tenant, 10)
+        order.append(tenant)
+
+    tasks = [asyncio.create_task(one(t)) for t in ("b", "a", "a", "b")]
+    await asyncio.sleep(0)
+    q.release(2)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert order == ["b", "b"]
+    assert q.counters == {"a": 500.0, "b": 10.0}  # Redis charges while synced
+    q.sync({"a": 400.0})
+    assert q.counters["a"] == 500.0  # never lowered
+    q.release(10)
+    await asyncio.gather(*tasks)
