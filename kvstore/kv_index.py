@@ -3,6 +3,11 @@
 Per model and block hash, a set of worker ids (and a signature of that set); per worker, the set of its
 blocks, so a dead or cleared worker is removed in one sweep. Writes (one engine step's events) and lookups (a prompt's chain of
 blocks) each cost one round trip: both run as Lua scripts inside Redis.
+
+A worker holds a block if it is on its device pool or on its host offload tier (events with a host medium). The holder sets
+do not tell the tiers apart; per worker, `kvh:<worker>` lists the blocks on its host tier and `kvo:<worker>` those only there,
+so a lookup reports how many of a worker's leading blocks it would have to load from host memory. A worker without host-only
+blocks costs a lookup one EXISTS more than before.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, is_host
 from schemas.names import RedisKeys
 
 # Hashes travel as 16 hex digits: Lua numbers are doubles and would lose 64-bit precision.
@@ -30,25 +35,41 @@ _APPLY = (
     _FINGERPRINT
     + """
 local p, model, w = ARGV[1], ARGV[2], ARGV[3]
-local wkey = p .. 'kvw:' .. w
+local wkey, hkey, okey = p .. 'kvw:' .. w, p .. 'kvh:' .. w, p .. 'kvo:' .. w
 local f = fingerprint(w)
 local function drop(m)
   if redis.call('SREM', p .. 'kv:' .. m, w) == 1 then
     if redis.call('DECRBY', p .. 'kvs:' .. m, f) == 0 then redis.call('DEL', p .. 'kvs:' .. m) end
   end
 end
+local function hold(m)
+  if redis.call('SADD', p .. 'kv:' .. m, w) == 1 then redis.call('INCRBY', p .. 'kvs:' .. m, f) end
+  redis.call('SADD', wkey, m)
+end
+local function release(m)
+  drop(m)
+  redis.call('SREM', wkey, m)
+end
+-- '+' / '-': stored on / removed from the device pool; 'H' / 'h': the same on the host tier; '!': cleared.
 for i = 4, #ARGV, 2 do
   local op, h = ARGV[i], ARGV[i + 1]
   local m = model .. ':' .. h
   if op == '+' then
-    if redis.call('SADD', p .. 'kv:' .. m, w) == 1 then redis.call('INCRBY', p .. 'kvs:' .. m, f) end
-    redis.call('SADD', wkey, m)
+    hold(m)
+    redis.call('SREM', okey, m)
   elseif op == '-' then
-    drop(m)
-    redis.call('SREM', wkey, m)
+    if redis.call('SISMEMBER', hkey, m) == 1 then redis.call('SADD', okey, m) else release(m) end
+  elseif op == 'H' then
+    redis.call('SADD', hkey, m)
+    if redis.call('SISMEMBER', wkey, m) == 0 then
+      hold(m)
+      redis.call('SADD', okey, m)
+    end
+  elseif op == 'h' then
+    if redis.call('SREM', hkey, m) == 1 and redis.call('SREM', okey, m) == 1 then release(m) end
   else
     for _, held in ipairs(redis.call('SMEMBERS', wkey)) do drop(held) end
-    redis.call('DEL', wkey)
+    redis.call('DEL', wkey, hkey, okey)
   end
 end
 return #ARGV
@@ -59,13 +80,22 @@ return #ARGV
 # proportional to the longest overlap, not to the size of the index. Members are read only where the holders
 # differ from the workers still walking (the signature says when); along a shared prefix every block costs
 # one GET. The chain arrives as one string of 16-hex-digit hashes and the answer leaves as one string of
-# "worker\ndepth" lines: packing and parsing a hundred arguments and replies each way would cost the client
+# "worker\ndepth\nhost" lines (host: how many of those blocks are only on the worker's host tier): packing and parsing a hundred arguments and replies each way would cost the client
 # more than the walk.
 _LOOKUP = (
     _FINGERPRINT
     + """
 local p, model, chain = ARGV[1], ARGV[2], ARGV[3]
 local out = {}
+local function found(w, depth)
+  local host, okey = 0, p .. 'kvo:' .. w
+  if redis.call('EXISTS', okey) == 1 then
+    for i = 1, depth do
+      host = host + redis.call('SISMEMBER', okey, model .. ':' .. string.sub(chain, 16 * i - 15, 16 * i))
+    end
+  end
+  table.insert(out, w .. '\\n' .. depth .. '\\n' .. host)
+end
 local alive, signature, depth = nil, -1, 0
 for i = 1, #chain / 16 do
   local m = model .. ':' .. string.sub(chain, 16 * i - 15, 16 * i)
@@ -88,7 +118,7 @@ for i = 1, #chain / 16 do
     for w in pairs(alive) do
       if not next_alive[w] then
         table.insert(dropped, w)
-        table.insert(out, w .. '\\n' .. depth)
+        found(w, depth)
       end
     end
     -- Hash whichever side is smaller.
@@ -103,7 +133,7 @@ for i = 1, #chain / 16 do
   end
 end
 if alive ~= nil then
-  for w in pairs(alive) do table.insert(out, w .. '\\n' .. depth) end
+  for w in pairs(alive) do found(w, depth) end
 end
 return table.concat(out, '\\n')
 """
@@ -129,11 +159,13 @@ class KVIndex:
         for ev in batch.events:
             match ev:
                 case BlockStored():
+                    op = "H" if is_host(ev.medium) else "+"
                     for h in ev.block_hashes:
-                        args += ("+", _hex(h))
+                        args += (op, _hex(h))
                 case BlockRemoved():
+                    op = "h" if is_host(ev.medium) else "-"
                     for h in ev.block_hashes:
-                        args += ("-", _hex(h))
+                        args += (op, _hex(h))
                 case AllBlocksCleared():
                     args += ("!", "")
         if len(args) > 3:
@@ -144,11 +176,15 @@ class KVIndex:
         await self._apply(args=[self._prefix, "", worker_id, "!", ""])
 
     async def overlaps(self, model: str, block_hashes: Sequence[int]) -> dict[str, int]:
-        """For each worker holding the first block: how many leading blocks of the chain it holds."""
+        """For each worker holding the first block: how many leading blocks of the chain it holds (any tier)."""
+        return {w: n for w, (n, _host) in (await self.tiered_overlaps(model, block_hashes)).items()}
+
+    async def tiered_overlaps(self, model: str, block_hashes: Sequence[int]) -> dict[str, tuple[int, int]]:
+        """For each worker holding the first block: (leading blocks it holds, how many of them only on host)."""
         if not block_hashes:
             return {}
         raw = await self._lookup(args=[self._prefix, model, "".join(map(_hex, block_hashes))])
         if not raw:
             return {}
         parts = (raw.decode() if isinstance(raw, bytes) else raw).split("\n")
-        return dict(zip(parts[::2], map(int, parts[1::2]), strict=True))
+        return {w: (int(n), int(h)) for w, n, h in zip(parts[::3], parts[1::3], parts[2::3], strict=True)}
