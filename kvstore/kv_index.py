@@ -6,8 +6,8 @@ blocks) each cost one round trip: both run as Lua scripts inside Redis.
 
 A worker holds a block if it is on its device pool or on its host offload tier (events with a host medium). The holder sets
 do not tell the tiers apart; per worker, `kvh:<worker>` lists the blocks on its host tier and `kvo:<worker>` those only there,
-so a lookup reports how many of a worker's leading blocks it would have to load from host memory. A worker without host-only
-blocks costs a lookup one EXISTS more than before.
+so a lookup reports how many of a worker's leading blocks it would have to load from host memory. `kvho` lists the workers
+that have host-only blocks: a lookup reads it once, and walks a found worker's blocks again only if it is listed.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ for i = 4, #ARGV, 2 do
     redis.call('DEL', wkey, hkey, okey)
   end
 end
+-- Workers with host-only blocks, so a lookup pays for tiers only when some worker has them.
+if redis.call('EXISTS', okey) == 1 then redis.call('SADD', p .. 'kvho', w) else redis.call('SREM', p .. 'kvho', w) end
 return #ARGV
 """
 )
@@ -80,21 +82,25 @@ return #ARGV
 # proportional to the longest overlap, not to the size of the index. Members are read only where the holders
 # differ from the workers still walking (the signature says when); along a shared prefix every block costs
 # one GET. The chain arrives as one string of 16-hex-digit hashes and the answer leaves as one string of
-# "worker\ndepth\nhost" lines (host: how many of those blocks are only on the worker's host tier): packing and parsing a hundred arguments and replies each way would cost the client
-# more than the walk.
+# "worker\ndepth" lines: packing and parsing a hundred arguments and replies each way would cost the client more than
+# the walk. A second string has "worker\nhost" lines for the found workers listed in `kvho`: how many of their leading
+# blocks are only on their host tier (empty, and nothing walked twice, while no worker has host-only blocks).
 _LOOKUP = (
     _FINGERPRINT
     + """
 local p, model, chain = ARGV[1], ARGV[2], ARGV[3]
-local out = {}
+local out, hosts = {}, {}
+local tiered = {}
+for _, w in ipairs(redis.call('SMEMBERS', p .. 'kvho')) do tiered[w] = true end
 local function found(w, depth)
-  local host, okey = 0, p .. 'kvo:' .. w
-  if redis.call('EXISTS', okey) == 1 then
+  table.insert(out, w .. '\\n' .. depth)
+  if tiered[w] then
+    local host, okey = 0, p .. 'kvo:' .. w
     for i = 1, depth do
       host = host + redis.call('SISMEMBER', okey, model .. ':' .. string.sub(chain, 16 * i - 15, 16 * i))
     end
+    table.insert(hosts, w .. '\\n' .. host)
   end
-  table.insert(out, w .. '\\n' .. depth .. '\\n' .. host)
 end
 local alive, signature, depth = nil, -1, 0
 for i = 1, #chain / 16 do
@@ -135,7 +141,7 @@ end
 if alive ~= nil then
   for w in pairs(alive) do found(w, depth) end
 end
-return table.concat(out, '\\n')
+return {table.concat(out, '\\n'), table.concat(hosts, '\\n')}
 """
 )
 
@@ -183,8 +189,12 @@ class KVIndex:
         """For each worker holding the first block: (leading blocks it holds, how many of them only on host)."""
         if not block_hashes:
             return {}
-        raw = await self._lookup(args=[self._prefix, model, "".join(map(_hex, block_hashes))])
+        raw, raw_hosts = await self._lookup(args=[self._prefix, model, "".join(map(_hex, block_hashes))])
         if not raw:
             return {}
         parts = (raw.decode() if isinstance(raw, bytes) else raw).split("\n")
-        return {w: (int(n), int(h)) for w, n, h in zip(parts[::3], parts[1::3], parts[2::3], strict=True)}
+        if not raw_hosts:
+            return {w: (int(n), 0) for w, n in zip(parts[::2], parts[1::2], strict=True)}
+        hosts = (raw_hosts.decode() if isinstance(raw_hosts, bytes) else raw_hosts).split("\n")
+        host = dict(zip(hosts[::2], map(int, hosts[1::2]), strict=True))
+        return {w: (int(n), host.get(w, 0)) for w, n in zip(parts[::2], parts[1::2], strict=True)}

@@ -30,8 +30,11 @@ def run(pool: BlockPool, tokens: list[int]) -> int:
     return hit
 
 
-def by_medium(events: list[KVEvent], kind: type, medium: str | None) -> list[int]:
-    return [h for e in events if isinstance(e, kind) and e.medium == medium for h in e.block_hashes]
+def by_medium(events: list[KVEvent], kind: type[BlockStored | BlockRemoved], medium: str | None) -> list[int]:
+    return [
+        h for e in events if isinstance(e, kind) and not isinstance(e, AllBlocksCleared) and e.medium == medium
+        for h in e.block_hashes
+    ]  # fmt: skip
 
 
 A = list(range(100, 113))  # 3 full blocks and 1 token
