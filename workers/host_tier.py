@@ -15,11 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1, "int8": 1}
+# vLLM's default dtype ("auto") serves float32 checkpoints in 16 bits, so their KV cache is 16-bit too.
+_DTYPE_BYTES = {"float32": 2, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1, "int8": 1}
 
 
 def kv_bytes_per_token(model_path: str | Path) -> int:
-    """KV bytes one token takes, from the model's config.json: layers x kv heads x head dim x 2 (K, V) x dtype."""
+    """KV bytes one token takes, from the model's config.json: layers x kv heads x head dim x 2 (K, V) x dtype bytes."""
     cfg = json.loads((Path(model_path) / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
     layers = int(cfg["num_hidden_layers"])
