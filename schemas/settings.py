@@ -276,7 +276,8 @@ class SimSettings(EngineSettings):
     num_blocks: int = dataclasses.field(default=16384, metadata=_help("sim: KV blocks in the pool"))
     speedup: float = dataclasses.field(default=1.0, metadata=_help("sim: divide simulated step time by this"))
     num_host_blocks: int = dataclasses.field(
-        default=0, metadata=_help("sim: KV blocks of the host-memory tier device blocks are evicted to; 0 = off")
+        default=0,
+        metadata=_help("sim: KV blocks of the host-memory tier device blocks are evicted to; 0 = off"),
     )
     host_offload_h2d_bandwidth_gbps: float = dataclasses.field(
         default=32.0,
