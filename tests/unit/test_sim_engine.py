@@ -480,7 +480,7 @@ class TimedEngine(RecordingEngine):
 
 async def test_host_tier_serves_an_evicted_prefix_and_charges_the_load(make_engine: MakeEngine) -> None:
     # 16 bytes per block at 1e-9 GB/s (1 B/s): loading a block costs 16 s, / speedup 1e9.
-    engine = await make_engine(
+    engine: TimedEngine = await make_engine(
         TimedEngine,
         num_blocks=8,
         max_model_len=128,
