@@ -480,7 +480,7 @@ class TimedEngine(RecordingEngine):
 
 async def test_host_tier_serves_an_evicted_prefix_and_charges_the_load(make_engine: MakeEngine) -> None:
     # 16 bytes per block at 1e-9 GB/s (1 B/s): loading a block costs 16 s, / speedup 1e9.
-    engine: TimedEngine = await make_engine(
+    engine = await make_engine(
         TimedEngine,
         num_blocks=8,
         max_model_len=128,
@@ -488,6 +488,7 @@ async def test_host_tier_serves_an_evicted_prefix_and_charges_the_load(make_engi
         kv_bytes_per_token=1,
         host_offload_h2d_bandwidth_gbps=1e-9,
     )
+    assert isinstance(engine, TimedEngine)
     a = prompt(50)
     await collect(engine.generate(req("a1", a, 2)))
     # b needs 7 of the 8 blocks: 5 free ones, then a's 2 tail blocks are evicted to the host.
