@@ -85,10 +85,6 @@ class BlockPool:
         """Whether a block with this hash is in the cache."""
         return block_hash in self._cached
 
-    def cached_hashes(self) -> list[int]:
-        """Every hash in the cache (O(cached blocks): for resynchronising an index, not per step)."""
-        return list(self._cached)
-
     def longest_prefix(self, hashes: Sequence[int]) -> int:
         """Number of leading `hashes` whose blocks are cached."""
         n = 0
@@ -110,7 +106,8 @@ class BlockPool:
         return n
 
     def snapshot(self) -> KVEventBatch:
-        """A batch that rebuilds an index's view of this pool from nothing (every tier)."""
+        """A batch that rebuilds an index's view of this pool from nothing, every tier (O(cached blocks): for a
+        reader that fell behind, not per step)."""
         events: list[KVEvent] = [AllBlocksCleared()]
         if self._cached:
             events.append(BlockStored(block_hashes=list(self._cached)))
