@@ -89,15 +89,19 @@ _LOOKUP = (
     _FINGERPRINT
     + """
 local p, model, chain = ARGV[1], ARGV[2], ARGV[3]
-local out, hosts = {}, {}
+local out, hosts, names = {}, {}, {}
 local tiered = {}
 for _, w in ipairs(redis.call('SMEMBERS', p .. 'kvho')) do tiered[w] = true end
 local function found(w, depth)
   table.insert(out, w .. '\\n' .. depth)
   if tiered[w] then
     local host, okey = 0, p .. 'kvo:' .. w
-    for i = 1, depth do
-      host = host + redis.call('SISMEMBER', okey, model .. ':' .. string.sub(chain, 16 * i - 15, 16 * i))
+    -- One SMISMEMBER per 512 blocks (Lua's unpack has a stack limit), the block names built once per lookup.
+    for i = #names + 1, depth do names[i] = model .. ':' .. string.sub(chain, 16 * i - 15, 16 * i) end
+    for lo = 1, depth, 512 do
+      for _, hit in ipairs(redis.call('SMISMEMBER', okey, unpack(names, lo, math.min(lo + 511, depth)))) do
+        host = host + hit
+      end
     end
     table.insert(hosts, w .. '\\n' .. host)
   end
