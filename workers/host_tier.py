@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-# vLLM's default dtype ("auto") serves float32 checkpoints in 16 bits, so their KV cache is 16-bit too.
+# vLLM's default dtype ("auto") serves float32 checkpoints in 16 bits on a GPU, so their KV cache is 16-bit too.
 _DTYPE_BYTES = {"float32": 2, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1, "int8": 1}
 
 
