@@ -3,6 +3,11 @@
 Per model and block hash, a set of worker ids (and a signature of that set); per worker, the set of its
 blocks, so a dead or cleared worker is removed in one sweep. Writes (one engine step's events) and lookups (a prompt's chain of
 blocks) each cost one round trip: both run as Lua scripts inside Redis.
+
+A worker holds a block if it is on its device pool or on its host offload tier (events with a host medium). The holder sets
+do not tell the tiers apart; per worker, `kvh:<worker>` lists the blocks on its host tier and `kvo:<worker>` those only there,
+so a lookup reports how many of a worker's leading blocks it would have to load from host memory. `kvho` lists the workers
+that have host-only blocks: a lookup reads it once, and walks a found worker's blocks again only if it is listed.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, is_host
 from schemas.names import RedisKeys
 
 # Hashes travel as 16 hex digits: Lua numbers are doubles and would lose 64-bit precision.
@@ -30,27 +35,45 @@ _APPLY = (
     _FINGERPRINT
     + """
 local p, model, w = ARGV[1], ARGV[2], ARGV[3]
-local wkey = p .. 'kvw:' .. w
+local wkey, hkey, okey = p .. 'kvw:' .. w, p .. 'kvh:' .. w, p .. 'kvo:' .. w
 local f = fingerprint(w)
 local function drop(m)
   if redis.call('SREM', p .. 'kv:' .. m, w) == 1 then
     if redis.call('DECRBY', p .. 'kvs:' .. m, f) == 0 then redis.call('DEL', p .. 'kvs:' .. m) end
   end
 end
+local function hold(m)
+  if redis.call('SADD', p .. 'kv:' .. m, w) == 1 then redis.call('INCRBY', p .. 'kvs:' .. m, f) end
+  redis.call('SADD', wkey, m)
+end
+local function release(m)
+  drop(m)
+  redis.call('SREM', wkey, m)
+end
+-- '+' / '-': stored on / removed from the device pool; 'H' / 'h': the same on the host tier; '!': cleared.
 for i = 4, #ARGV, 2 do
   local op, h = ARGV[i], ARGV[i + 1]
   local m = model .. ':' .. h
   if op == '+' then
-    if redis.call('SADD', p .. 'kv:' .. m, w) == 1 then redis.call('INCRBY', p .. 'kvs:' .. m, f) end
-    redis.call('SADD', wkey, m)
+    hold(m)
+    redis.call('SREM', okey, m)
   elseif op == '-' then
-    drop(m)
-    redis.call('SREM', wkey, m)
+    if redis.call('SISMEMBER', hkey, m) == 1 then redis.call('SADD', okey, m) else release(m) end
+  elseif op == 'H' then
+    redis.call('SADD', hkey, m)
+    if redis.call('SISMEMBER', wkey, m) == 0 then
+      hold(m)
+      redis.call('SADD', okey, m)
+    end
+  elseif op == 'h' then
+    if redis.call('SREM', hkey, m) == 1 and redis.call('SREM', okey, m) == 1 then release(m) end
   else
     for _, held in ipairs(redis.call('SMEMBERS', wkey)) do drop(held) end
-    redis.call('DEL', wkey)
+    redis.call('DEL', wkey, hkey, okey)
   end
 end
+-- Workers with host-only blocks, so a lookup pays for tiers only when some worker has them.
+if redis.call('EXISTS', okey) == 1 then redis.call('SADD', p .. 'kvho', w) else redis.call('SREM', p .. 'kvho', w) end
 return #ARGV
 """
 )
@@ -59,13 +82,30 @@ return #ARGV
 # proportional to the longest overlap, not to the size of the index. Members are read only where the holders
 # differ from the workers still walking (the signature says when); along a shared prefix every block costs
 # one GET. The chain arrives as one string of 16-hex-digit hashes and the answer leaves as one string of
-# "worker\ndepth" lines: packing and parsing a hundred arguments and replies each way would cost the client
-# more than the walk.
+# "worker\ndepth" lines: packing and parsing a hundred arguments and replies each way would cost the client more than
+# the walk. A second string has "worker\nhost" lines for the found workers listed in `kvho`: how many of their leading
+# blocks are only on their host tier (empty, and nothing walked twice, while no worker has host-only blocks).
 _LOOKUP = (
     _FINGERPRINT
     + """
 local p, model, chain = ARGV[1], ARGV[2], ARGV[3]
-local out = {}
+local out, hosts, names = {}, {}, {}
+local tiered = {}
+for _, w in ipairs(redis.call('SMEMBERS', p .. 'kvho')) do tiered[w] = true end
+local function found(w, depth)
+  table.insert(out, w .. '\\n' .. depth)
+  if tiered[w] then
+    local host, okey = 0, p .. 'kvo:' .. w
+    -- One SMISMEMBER per 512 blocks (Lua's unpack has a stack limit), the block names built once per lookup.
+    for i = #names + 1, depth do names[i] = model .. ':' .. string.sub(chain, 16 * i - 15, 16 * i) end
+    for lo = 1, depth, 512 do
+      for _, hit in ipairs(redis.call('SMISMEMBER', okey, unpack(names, lo, math.min(lo + 511, depth)))) do
+        host = host + hit
+      end
+    end
+    table.insert(hosts, w .. '\\n' .. host)
+  end
+end
 local alive, signature, depth = nil, -1, 0
 for i = 1, #chain / 16 do
   local m = model .. ':' .. string.sub(chain, 16 * i - 15, 16 * i)
@@ -88,7 +128,7 @@ for i = 1, #chain / 16 do
     for w in pairs(alive) do
       if not next_alive[w] then
         table.insert(dropped, w)
-        table.insert(out, w .. '\\n' .. depth)
+        found(w, depth)
       end
     end
     -- Hash whichever side is smaller.
@@ -103,9 +143,9 @@ for i = 1, #chain / 16 do
   end
 end
 if alive ~= nil then
-  for w in pairs(alive) do table.insert(out, w .. '\\n' .. depth) end
+  for w in pairs(alive) do found(w, depth) end
 end
-return table.concat(out, '\\n')
+return {table.concat(out, '\\n'), table.concat(hosts, '\\n')}
 """
 )
 
@@ -129,11 +169,13 @@ class KVIndex:
         for ev in batch.events:
             match ev:
                 case BlockStored():
+                    op = "H" if is_host(ev.medium) else "+"
                     for h in ev.block_hashes:
-                        args += ("+", _hex(h))
+                        args += (op, _hex(h))
                 case BlockRemoved():
+                    op = "h" if is_host(ev.medium) else "-"
                     for h in ev.block_hashes:
-                        args += ("-", _hex(h))
+                        args += (op, _hex(h))
                 case AllBlocksCleared():
                     args += ("!", "")
         if len(args) > 3:
@@ -144,11 +186,19 @@ class KVIndex:
         await self._apply(args=[self._prefix, "", worker_id, "!", ""])
 
     async def overlaps(self, model: str, block_hashes: Sequence[int]) -> dict[str, int]:
-        """For each worker holding the first block: how many leading blocks of the chain it holds."""
+        """For each worker holding the first block: how many leading blocks of the chain it holds (any tier)."""
+        return {w: n for w, (n, _host) in (await self.tiered_overlaps(model, block_hashes)).items()}
+
+    async def tiered_overlaps(self, model: str, block_hashes: Sequence[int]) -> dict[str, tuple[int, int]]:
+        """For each worker holding the first block: (leading blocks it holds, how many of them only on host)."""
         if not block_hashes:
             return {}
-        raw = await self._lookup(args=[self._prefix, model, "".join(map(_hex, block_hashes))])
+        raw, raw_hosts = await self._lookup(args=[self._prefix, model, "".join(map(_hex, block_hashes))])
         if not raw:
             return {}
         parts = (raw.decode() if isinstance(raw, bytes) else raw).split("\n")
-        return dict(zip(parts[::2], map(int, parts[1::2]), strict=True))
+        if not raw_hosts:
+            return {w: (int(n), 0) for w, n in zip(parts[::2], parts[1::2], strict=True)}
+        hosts = (raw_hosts.decode() if isinstance(raw_hosts, bytes) else raw_hosts).split("\n")
+        host = dict(zip(hosts[::2], map(int, hosts[1::2]), strict=True))
+        return {w: (int(n), host.get(w, 0)) for w, n in zip(parts[::2], parts[1::2], strict=True)}

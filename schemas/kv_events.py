@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import msgspec
 
+# Where a block lives, in vLLM's names: None or "GPU" is the engine's device pool (vLLM calls it "GPU"
+# on the CPU backend too); "CPU" is the host-memory offload tier, whose blocks must be loaded back first.
+MEDIUM_DEVICE = "GPU"
+MEDIUM_HOST = "CPU"
+
 
 class BlockStored(msgspec.Struct, tag="stored", frozen=True):
     """Consecutive full blocks that became cached; `block_hashes` are Ferry chained hashes."""
@@ -11,16 +16,19 @@ class BlockStored(msgspec.Struct, tag="stored", frozen=True):
     block_hashes: list[int]
     parent_hash: int | None = None
     lora_name: str | None = None
+    # None: the device pool (MEDIUM_DEVICE); MEDIUM_HOST: the host offload tier.
+    medium: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag="removed", frozen=True):
-    """Blocks that were evicted from the cache."""
+    """Blocks that were evicted from the cache (of the tier `medium` names; None = device)."""
 
     block_hashes: list[int]
+    medium: str | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag="cleared", frozen=True):
-    """The engine dropped its whole prefix cache."""
+    """The engine dropped its whole prefix cache, every tier."""
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
@@ -31,3 +39,8 @@ class KVEventBatch(msgspec.Struct, frozen=True):
 
     ts: float
     events: list[KVEvent]
+
+
+def is_host(medium: str | None) -> bool:
+    """Whether an event's medium names the host offload tier rather than the device pool."""
+    return medium is not None and medium != MEDIUM_DEVICE

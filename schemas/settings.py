@@ -116,6 +116,10 @@ class RouterSettings:
     overlap_weight: float = dataclasses.field(
         default=1.0, metadata=_help("kv: weight of prefill work (uncached prompt blocks) against decode load")
     )
+    host_block_weight: float = dataclasses.field(
+        default=0.75,
+        metadata=_help("kv: a cached block on a worker's host tier counts as this much of a device block"),
+    )
     router_temperature: float = dataclasses.field(
         default=0.0, metadata=_help("kv: 0 = always the cheapest worker; > 0 samples by softmax of cost")
     )
@@ -311,6 +315,22 @@ class SimSettings(EngineSettings):
 
     num_blocks: int = dataclasses.field(default=16384, metadata=_help("sim: KV blocks in the pool"))
     speedup: float = dataclasses.field(default=1.0, metadata=_help("sim: divide simulated step time by this"))
+    num_host_blocks: int = dataclasses.field(
+        default=0,
+        metadata=_help("sim: KV blocks of the host-memory tier device blocks are evicted to; 0 = off"),
+    )
+    host_offload_h2d_bandwidth_gbps: float = dataclasses.field(
+        default=32.0,
+        metadata=_help("sim: GB/s of loading host blocks back to the device, added to the step; 0 = free"),
+    )
+    host_offload_d2h_bandwidth_gbps: float = dataclasses.field(
+        default=0.0,
+        metadata=_help("sim: GB/s of offloading evicted blocks to the host, added to the step; 0 = free"),
+    )
+    kv_bytes_per_token: int = dataclasses.field(
+        default=0,
+        metadata=_help("sim: KV bytes per token for host transfers; 0 = from the model's config.json"),
+    )
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -28,6 +28,9 @@ def _headers(gen: Generation) -> dict[str, str]:
         "x-request-id": gen.id,
         "x-ferry-worker": ",".join(gen.worker_ids),
         "x-ferry-predicted-cached-blocks": str(gen.predicted_cached_blocks),
+        "x-ferry-predicted-host-blocks": str(
+            sum(s.decision.predicted_host_blocks for s in gen.stream.sequences.values())
+        ),
     }
 
 

@@ -13,7 +13,8 @@ charges every sequence all its blocks, closer to what an engine's decode step re
 the sum of the context lengths); on the conversation trace it lost a quarter of the cache hits and had a
 worse TTFT at every rate (docs/benchmarks.md, Routing), so it stays an option, not the default.
 
-overlap(w) is the longer of what the KV index says w caches and (`inflight_overlap`, default) the leading
+overlap(w) counts a block on w's device pool as 1 and one only on its host offload tier (it must be loaded back
+first) as `host_block_weight` (0.75, Dynamo's default); it is the larger of what the KV index says w caches and (`inflight_overlap`, default) the leading
 blocks of the prompt that sequences this frontend sent to w are holding, and of those that sequences it saw
 finish on w in the last RECENT_S left behind: the index hears of a prompt's blocks only once the engine has
 prefilled them and the worker has published the event, and a conversation's next turn or a burst on one
@@ -52,6 +53,8 @@ INDEX_RECOVERY_S = 1.0
 # the engine's KV events reach the index some milliseconds after the first token reaches the frontend, and
 # on a quiet fleet the next request (often the conversation's next turn) is routed in between.
 RECENT_S = 2.0
+# No cached blocks: (leading blocks held, of which only on the host tier).
+_NONE = (0, 0)
 
 
 class AllBusy(Exception):
@@ -63,7 +66,8 @@ class Decision:
     """The chosen worker, what the router expected there, and the load it charged."""
 
     worker_id: str
-    predicted_cached_blocks: int = 0
+    predicted_cached_blocks: int = 0  # leading prompt blocks cached on the worker, on either tier
+    predicted_host_blocks: int = 0  # of those, how many only on its host tier
     prefill_tokens: int = 0
     decode_blocks: int = 0
     decodes: bool = True  # False: at most one token asked for, so no decode phase and no decode load
@@ -147,7 +151,7 @@ class Router:
         decodes = prompt.max_tokens is None or prompt.max_tokens > 1
         block_size = candidates[0].block_size
         prompt_blocks = math.ceil(len(prompt.tokens) / block_size)
-        overlap = 0
+        overlap = host = 0
         chain: list[int] = []
         if self.policy == "random":
             w = self._rng.choice(candidates)
@@ -167,8 +171,10 @@ class Router:
             overlaps = await self._overlaps(base, chain)
             if self.recent is not None:
                 for wid, n in self.recent.overlaps(base, chain, self._clock()).items():
-                    overlaps[wid] = max(n, overlaps.get(wid, 0))
-            w, overlap = self._cheapest(
+                    # Blocks of sequences that just ran there are on the device.
+                    if n > self._weighted(overlaps.get(wid, _NONE)):
+                        overlaps[wid] = (n, 0)
+            w, (overlap, host) = self._cheapest(
                 candidates, overlaps, len(prompt.tokens), prompt_blocks if decodes else 0, chain
             )
             if self.approx is not None:
@@ -179,6 +185,7 @@ class Router:
         return Decision(
             worker_id=w.worker_id,
             predicted_cached_blocks=overlap,
+            predicted_host_blocks=host,
             prefill_tokens=max(0, len(prompt.tokens) - overlap * block_size),
             decode_blocks=prompt_blocks if decodes else 0,
             decodes=decodes,
@@ -187,14 +194,19 @@ class Router:
             model=candidates[0].model,
         )
 
-    async def _overlaps(self, model: str, chain: list[int]) -> dict[str, int]:
+    def _weighted(self, overlap: tuple[int, int]) -> float:
+        """Cached blocks with those only on host counted at `host_block_weight`."""
+        blocks, host = overlap
+        return blocks - (1.0 - self.config.host_block_weight) * host if host else blocks
+
+    async def _overlaps(self, model: str, chain: list[int]) -> dict[str, tuple[int, int]]:
         if self.approx is not None:
-            return self.approx.overlaps(model, chain, self._clock())
+            return {w: (n, 0) for w, n in self.approx.overlaps(model, chain, self._clock()).items()}
         if self._index is None:
             return {}
         t0 = time.perf_counter()
         try:
-            found = await self._index.overlaps(model, chain)
+            found = await self._index.tiered_overlaps(model, chain)
         except Exception as exc:
             # Never fail a request because the index is down: route by load alone meanwhile.
             self._metrics.redis_errors.inc()
@@ -224,15 +236,15 @@ class Router:
     def _cheapest(
         self,
         workers: list[WorkerStatus],
-        overlaps: dict[str, int],
+        overlaps: dict[str, tuple[int, int]],
         prompt_tokens: int,
         decode_blocks: int,
         chain: list[int],
-    ) -> tuple[WorkerStatus, int]:
+    ) -> tuple[WorkerStatus, tuple[int, int]]:
         weight = self.config.overlap_weight
         distinct = self.config.decode_load == "distinct"
         costs: list[float] = []
-        best: dict[str, int] = {}
+        best: dict[str, tuple[int, int]] = {}
         for w in workers:
             wid = w.worker_id
             local, remote = self.local.get(wid), self.remote.get(wid)
@@ -247,10 +259,11 @@ class Router:
             shared_decoding = _leading(chain, held) if held and decode_blocks else 0
             # The index learns of a prompt's blocks only once the engine has prefilled them; until then
             # the sequences this frontend sent are the freshest evidence of what a worker will hold.
-            overlap = overlaps.get(wid, 0)
-            if self.config.inflight_overlap:
-                overlap = max(overlap, shared)
-            best[wid] = overlap
+            tiers = overlaps.get(wid, _NONE)
+            overlap = self._weighted(tiers)
+            if self.config.inflight_overlap and shared > overlap:
+                tiers, overlap = (shared, 0), shared
+            best[wid] = tiers
             prefill_blocks = (pending + prompt_tokens) / w.block_size - overlap
             new_decode = decode_blocks - shared_decoding if distinct else decode_blocks
             costs.append(weight * prefill_blocks + decoding + new_decode)

@@ -3,16 +3,22 @@
 Blocks that no sequence references keep their contents and stay findable by hash until a new
 block is needed; then never-hashed free blocks go first, and cached ones are evicted least
 recently used first. Cache changes are recorded as KV events for the caller to publish per step.
+
+With a host tier (workers/host_tier.py), an evicted cached block is copied there, and a prefix whose
+blocks continue on the host after the device-cached part counts as a hit: those blocks are loaded back
+into fresh device blocks (at the tier's bandwidth cost) instead of being recomputed.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore.hashing import block_hashes
-from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from schemas.kv_events import MEDIUM_HOST, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from workers.host_tier import HostTier
 
 
 class _Block:
@@ -41,7 +47,7 @@ class SequenceBlocks:
 class BlockPool:
     """Fixed-size pool of KV blocks shared by all sequences of one engine."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, host: HostTier | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -54,6 +60,7 @@ class BlockPool:
         self._cached: dict[int, _Block] = {}
         self._num_used = 0
         self._events: list[KVEvent] = []
+        self.host = host
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,10 +85,6 @@ class BlockPool:
         """Whether a block with this hash is in the cache."""
         return block_hash in self._cached
 
-    def cached_hashes(self) -> list[int]:
-        """Every hash in the cache (O(cached blocks): for resynchronising an index, not per step)."""
-        return list(self._cached)
-
     def longest_prefix(self, hashes: Sequence[int]) -> int:
         """Number of leading `hashes` whose blocks are cached."""
         n = 0
@@ -92,12 +95,29 @@ class BlockPool:
         return n
 
     def match_prefix(self, seq: SequenceBlocks, token_ids: Sequence[int]) -> int:
-        """Cached leading full blocks of `token_ids`, leaving at least one token to compute."""
+        """Cached leading full blocks of `token_ids` (device, then host), leaving a token to compute."""
         # Like vLLM: the last token must be computed to get logits, so a fully cached prompt
         # still recomputes its last block.
         max_blocks = (len(token_ids) - 1) // self.block_size
         self._extend_hashes(seq, token_ids, max_blocks)
-        return self.longest_prefix(seq.hashes[:max_blocks])
+        n = self.longest_prefix(seq.hashes[:max_blocks])
+        if self.host is not None and n < max_blocks:
+            n += self.host.leading(seq.hashes[n:max_blocks])
+        return n
+
+    def snapshot(self) -> KVEventBatch:
+        """A batch that rebuilds an index's view of this pool from nothing, every tier (O(cached blocks): for a
+        reader that fell behind, not per step)."""
+        events: list[KVEvent] = [AllBlocksCleared()]
+        if self._cached:
+            events.append(BlockStored(block_hashes=list(self._cached)))
+        if self.host is not None and len(self.host):
+            events.append(BlockStored(block_hashes=self.host.hashes(), medium=MEDIUM_HOST))
+        return KVEventBatch(ts=time.time(), events=events)
+
+    def take_transfer_seconds(self) -> float:
+        """Host-link time of the loads and offloads since the previous call (0 without a host tier)."""
+        return self.host.take_seconds() if self.host is not None else 0.0
 
     def allocate(
         self,
@@ -109,21 +129,29 @@ class BlockPool:
         """Make `seq` hold blocks for its first `num_tokens` tokens; False (and no change) if short.
 
         `num_hit_blocks` leading blocks are taken from the cache (only for a sequence that holds no
-        blocks yet, as found by `match_prefix`). Blocks that the first `num_tokens` tokens fill are
-        then hashed and cached, emitting BlockStored.
+        blocks yet, as found by `match_prefix`); those past the device-cached prefix are loaded from
+        the host tier into new blocks. Blocks that the first `num_tokens` tokens fill are then hashed
+        and cached, emitting BlockStored.
         """
         if num_hit_blocks and seq.block_ids:
             raise ValueError("cache hits can only start a sequence")
         self._extend_hashes(seq, token_ids, num_hit_blocks)
-        hits = [self._cached[h] for h in seq.hashes[:num_hit_blocks]]
-        needed = -(-num_tokens // self.block_size) - len(seq.block_ids) - num_hit_blocks
+        on_device = self.longest_prefix(seq.hashes[:num_hit_blocks])
+        to_load = seq.hashes[on_device:num_hit_blocks]
+        if to_load and (self.host is None or self.host.leading(to_load) < len(to_load)):
+            raise ValueError("hit blocks are neither on the device nor on the host")
+        hits = [self._cached[h] for h in seq.hashes[:on_device]]
+        needed = -(-num_tokens // self.block_size) - len(seq.block_ids) - on_device
         reclaimed = sum(1 for b in hits if b.ref_cnt == 0)
         if max(needed, 0) + reclaimed > self.num_free_blocks:
             return False
         for block in hits:
             self._touch(block)
             seq.block_ids.append(block.block_id)
-        seq.num_committed = max(seq.num_committed, num_hit_blocks)
+        if to_load and self.host is not None:
+            # Before taking free blocks: the offloads that frees may cause must not push these out.
+            self.host.load(to_load)
+        seq.num_committed = max(seq.num_committed, on_device)
         for _ in range(needed):
             seq.block_ids.append(self._take_free_block())
         self._commit_full_blocks(seq, token_ids, num_tokens // self.block_size)
@@ -152,6 +180,8 @@ class BlockPool:
         for block in self._blocks:
             block.block_hash = None
         self._cached.clear()
+        if self.host is not None:
+            self.host.clear()
         self._evictable.clear()
         self._free_plain = list(range(self.num_blocks - 1, -1, -1))
         self._events.append(AllBlocksCleared())
@@ -185,7 +215,9 @@ class BlockPool:
             _, block = self._evictable.popitem(last=False)
             assert block.block_hash is not None
             del self._cached[block.block_hash]
-            self._record_removed(block.block_hash)
+            self._record_removed(block.block_hash, None)
+            if self.host is not None:
+                self._offload(block.block_hash)
             block.block_hash = None
         block.ref_cnt = 1
         self._num_used += 1
@@ -217,10 +249,22 @@ class BlockPool:
         if hashes:
             self._events.append(BlockStored(block_hashes=hashes, parent_hash=parent, lora_name=lora_name))
 
-    def _record_removed(self, block_hash: int) -> None:
+    def _offload(self, block_hash: int) -> None:
+        assert self.host is not None
+        stored, dropped = self.host.offload(block_hash)
+        if stored:
+            last = self._events[-1] if self._events else None
+            if isinstance(last, BlockStored) and last.medium == MEDIUM_HOST:
+                last.block_hashes.append(block_hash)
+            else:
+                self._events.append(BlockStored(block_hashes=[block_hash], medium=MEDIUM_HOST))
+        for h in dropped:
+            self._record_removed(h, MEDIUM_HOST)
+
+    def _record_removed(self, block_hash: int, medium: str | None) -> None:
         last = self._events[-1] if self._events else None
         # The batch is not published yet, so growing the last event in place is safe.
-        if isinstance(last, BlockRemoved):
+        if isinstance(last, BlockRemoved) and last.medium == medium:
             last.block_hashes.append(block_hash)
         else:
-            self._events.append(BlockRemoved(block_hashes=[block_hash]))
+            self._events.append(BlockRemoved(block_hashes=[block_hash], medium=medium))

@@ -28,9 +28,13 @@ def build_engine(settings: WorkerSettings, engine_flags: Sequence[str] = ()) -> 
     if settings.lora_modules:
         raise ValueError("--lora-modules needs --engine vllm: the simulated engine serves no adapters")
 
+    from workers.host_tier import kv_bytes_per_token
     from workers.sim import SimConfig, SimEngine
 
     info = load_model_info(settings.model_path)
     max_len = settings.max_model_len or info.max_position_embeddings
-    config = SimConfig(**values_of(settings, SimSettings) | {"max_model_len": max_len})
+    values = values_of(settings, SimSettings) | {"max_model_len": max_len}
+    if settings.num_host_blocks and not settings.kv_bytes_per_token:
+        values["kv_bytes_per_token"] = kv_bytes_per_token(settings.model_path)
+    config = SimConfig(**values)
     return SimEngine(settings.served_model_name, info.tokenizer, config, eos_token_id=info.eos_token_id)

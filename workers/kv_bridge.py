@@ -5,6 +5,10 @@ vLLM publishes each newly cached block with its vLLM hash (sha256-based, `bytes`
 token ids. The router only knows token ids, so the bridge recomputes Ferry's hash of every stored
 block from its parent's Ferry hash and its tokens, remembers vLLM hash -> Ferry hash, and uses that
 map to translate removals. Pure logic: no I/O and no vLLM import, so it is tested without vLLM.
+
+Events of the host-memory offload tier (vLLM's OffloadingConnector, medium "CPU") are kept and passed on
+with their medium, tracked apart from the device pool's (a block may be in both), so the router can weigh
+host blocks below device ones. Other media (vLLM's "STORAGE") are not indexed.
 """
 
 from __future__ import annotations
@@ -16,15 +20,22 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvstore.hashing import block_hashes, chain_seed
-from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from schemas.kv_events import (
+    MEDIUM_DEVICE,
+    MEDIUM_HOST,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+)
 
 logger = logging.getLogger(__name__)
 
 VllmBlockHash = int | bytes
 
-# vLLM tags the device-resident pool "GPU" even on the CPU backend; other media are offload tiers
-# whose blocks must be loaded back first, and would double-count blocks the device pool reports.
-_DEVICE_MEDIUM = "GPU"
+# vLLM tags the device-resident pool "GPU" even on the CPU backend; "CPU" is the host offload tier.
+_TRACKED_MEDIA = (None, MEDIUM_DEVICE, MEDIUM_HOST)
 
 
 class VllmEventBatch(Protocol):
@@ -56,16 +67,18 @@ class KVBridge:
         self.model = model
         self.block_size = block_size
         self._known: dict[VllmBlockHash, _Known] = {}
+        # The same for the host tier's copies.
+        self._host: dict[VllmBlockHash, _Known] = {}
         self._warned_unknown = False
         # Counters for metrics and tests: blocks that could not be translated.
         self.skipped_blocks = 0
 
     def __len__(self) -> int:
-        return len(self._known)
+        return len(self._known) + len(self._host)
 
     def ferry_hash(self, vllm_hash: VllmBlockHash) -> int | None:
-        """The Ferry hash of a cached vLLM block, or None if the bridge does not know it."""
-        known = self._known.get(vllm_hash)
+        """The Ferry hash of a cached vLLM block (on either tier), or None if the bridge does not know it."""
+        known = self._known.get(vllm_hash) or self._host.get(vllm_hash)
         return None if known is None else known.ferry_hash
 
     def translate(self, batch: VllmEventBatch) -> KVEventBatch | None:
@@ -84,6 +97,7 @@ class KVBridge:
                         out.append(removed)
                 case "AllBlocksCleared":
                     self._known.clear()
+                    self._host.clear()
                     out.append(AllBlocksCleared())
                 case other:
                     logger.debug("ignoring vLLM KV event of kind %s", other)
@@ -92,6 +106,7 @@ class KVBridge:
     def reset(self) -> KVEventBatch:
         """Forget every block (events were lost) and tell the index to drop this engine's blocks."""
         self._known.clear()
+        self._host.clear()
         self._warned_unknown = False
         return KVEventBatch(ts=time.time(), events=[AllBlocksCleared()])
 
@@ -100,6 +115,9 @@ class KVBridge:
         events: list[KVEvent] = [AllBlocksCleared()]
         if self._known:
             events.append(BlockStored(block_hashes=[k.ferry_hash for k in self._known.values()]))
+        if self._host:
+            host = [k.ferry_hash for k in self._host.values()]
+            events.append(BlockStored(block_hashes=host, medium=MEDIUM_HOST))
         return KVEventBatch(ts=time.time(), events=events)
 
     def _tracked(self, event: Any) -> bool:
@@ -107,12 +125,25 @@ class KVBridge:
         # Ferry indexes one chain per model; further groups (sliding window, Mamba state) of hybrid
         # models describe the same tokens again.
         group = getattr(event, "group_idx", None)
-        return medium in (None, _DEVICE_MEDIUM) and group in (None, 0)
+        return medium in _TRACKED_MEDIA and group in (None, 0)
+
+    def _table(self, event: Any) -> tuple[dict[VllmBlockHash, _Known], str | None]:
+        if getattr(event, "medium", None) == MEDIUM_HOST:
+            return self._host, MEDIUM_HOST
+        return self._known, None
 
     def _stored(self, event: Any) -> BlockStored | None:
         hashes: list[VllmBlockHash] = list(event.block_hashes)
         if not hashes or not self._tracked(event):
             return None
+        table, medium = self._table(event)
+        lora_name: str | None = getattr(event, "lora_name", None)
+        # An offloaded copy of blocks the device pool reported: its Ferry hashes are known already (vLLM
+        # may also send such a copy as a placeholder, without tokens).
+        copied = [f for h in hashes if (f := self.ferry_hash(h)) is not None] if medium is not None else []
+        if copied and len(copied) == len(hashes):
+            self._remember(table, hashes, copied)
+            return BlockStored(block_hashes=copied, lora_name=lora_name, medium=medium)
         tokens: Sequence[int] = event.token_ids
         if event.block_size != self.block_size or len(tokens) != len(hashes) * self.block_size:
             logger.warning(
@@ -124,7 +155,6 @@ class KVBridge:
             )
             self.skipped_blocks += len(hashes)
             return None
-        lora_name: str | None = getattr(event, "lora_name", None)
         parent_vllm = event.parent_block_hash
         parent: int | None = None
         if parent_vllm is not None:
@@ -135,29 +165,35 @@ class KVBridge:
                 self._warn_unknown(len(hashes))
                 return None
         ferry = block_hashes(tokens, self.block_size, chain_seed(self.model, lora_name), parent=parent)
+        self._remember(table, hashes, ferry)
+        return BlockStored(block_hashes=ferry, parent_hash=parent, lora_name=lora_name, medium=medium)
+
+    @staticmethod
+    def _remember(table: dict[VllmBlockHash, _Known], hashes: list[VllmBlockHash], ferry: list[int]) -> None:
         for vllm_hash, ferry_hash in zip(hashes, ferry, strict=True):
-            known = self._known.get(vllm_hash)
+            known = table.get(vllm_hash)
             if known is None:
-                self._known[vllm_hash] = _Known(ferry_hash)
+                table[vllm_hash] = _Known(ferry_hash)
             else:
                 known.copies += 1
-        return BlockStored(block_hashes=ferry, parent_hash=parent, lora_name=lora_name)
 
     def _removed(self, event: Any) -> BlockRemoved | None:
         if not self._tracked(event):
             return None
-        gone = list(self._forget(event.block_hashes))
-        return BlockRemoved(block_hashes=gone) if gone else None
+        table, medium = self._table(event)
+        gone = list(self._forget(table, event.block_hashes))
+        return BlockRemoved(block_hashes=gone, medium=medium) if gone else None
 
-    def _forget(self, hashes: Iterable[VllmBlockHash]) -> Iterable[int]:
+    @staticmethod
+    def _forget(table: dict[VllmBlockHash, _Known], hashes: Iterable[VllmBlockHash]) -> Iterable[int]:
         for vllm_hash in hashes:
-            known = self._known.get(vllm_hash)
+            known = table.get(vllm_hash)
             if known is None:
                 # Blocks stored before a reset, or skipped above: the index never had them.
                 continue
             known.copies -= 1
             if known.copies == 0:
-                del self._known[vllm_hash]
+                del table[vllm_hash]
                 yield known.ferry_hash
 
     def _warn_unknown(self, n: int) -> None:

@@ -23,19 +23,18 @@ from tokenizers import Tokenizer
 
 from kvstore.hashing import block_hashes, chain_seed
 from schemas.kafka import FinishReason, GenerateRequest
-from schemas.kv_events import AllBlocksCleared, BlockStored, KVEvent, KVEventBatch
+from schemas.kv_events import KVEvent, KVEventBatch
 from workers import sim_draws
 from workers.block_pool import BlockPool, SequenceBlocks
 from workers.detok import Detokenizer
 from workers.engine import EngineDead, EngineLifecycle, EngineOutput, EngineStats
 from workers.engine_base import KVEventQueue, Mailbox, OutputStream, check_request
+from workers.host_tier import host_tier
 from workers.sim_draws import TAG_LENGTH, TAG_STRUCTURED, TAG_TOKEN, draw, logprob, output_vocab, stream_key
 from workers.sim_output import OutputPlan, TokenSource, output_plan
 from workers.sim_timing import step_seconds
 
 logger = logging.getLogger(__name__)
-
-# Domain tags keep the token, length and logprob streams of one sequence independent.
 
 
 class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,6 +52,11 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     # KV-event batches kept for a slow reader before the oldest are dropped.
     max_pending_kv_batches: int = 1024
+    # Host-memory KV tier (workers/host_tier.py): 0 blocks = off; a bandwidth of 0 = free transfers.
+    num_host_blocks: int = 0
+    host_offload_h2d_bandwidth_gbps: float = 32.0
+    host_offload_d2h_bandwidth_gbps: float = 0.0
+    kv_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
         positive = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
@@ -63,8 +67,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("speedup must be positive")
         if not 1 <= self.min_output_tokens <= self.max_output_tokens:
             raise ValueError("need 1 <= min_output_tokens <= max_output_tokens")
-        if self.max_pending_kv_batches <= 0:
-            raise ValueError("max_pending_kv_batches must be positive")
+        if self.max_pending_kv_batches <= 0 or min(self.num_host_blocks, self.kv_bytes_per_token) < 0:
+            raise ValueError("need max_pending_kv_batches > 0 and num_host_blocks, kv_bytes_per_token >= 0")
         # Guarantees that any admitted sequence fits alone, so preemption always makes progress.
         if self.max_model_len > self.num_blocks * self.block_size:
             raise ValueError("max_model_len exceeds the KV capacity (num_blocks * block_size)")
@@ -125,7 +129,7 @@ class SimEngine(EngineLifecycle):
         self._tokenizer = tokenizer
         self._eos = eos_token_id
         self._vocab = output_vocab(tokenizer, eos_token_id)
-        self._pool = BlockPool(self.config.num_blocks, self.config.block_size)
+        self._pool = BlockPool(self.config.num_blocks, self.config.block_size, host_tier(self.config))
         self._kv_capacity = self.config.num_blocks * self.config.block_size
         self._seqs: dict[str, _Seq] = {}
         self._running: dict[str, _Seq] = {}
@@ -138,7 +142,7 @@ class SimEngine(EngineLifecycle):
         self._dead: str | None = None
         self._prompt_tokens_seen = 0
         self._cached_tokens_seen = 0
-        self._kv_events = KVEventQueue(self.config.max_pending_kv_batches, self._snapshot)
+        self._kv_events = KVEventQueue(self.config.max_pending_kv_batches, self._pool.snapshot)
         # Tests: an engine that stops stepping but still passes check_health (what the canary catches).
         self.hung = False
         # Tests: a step loop that dies at its next step, as vLLM's EngineCore process can.
@@ -382,7 +386,8 @@ class SimEngine(EngineLifecycle):
             budget = self._admit(work, budget)
         if not work:
             return None
-        return _Step(work=work, seconds=self._step_seconds(work))
+        # Host-tier loads (and offloads) in this step's allocations lengthen it.
+        return _Step(work=work, seconds=self._step_seconds(work) + self._pool.take_transfer_seconds() / self.config.speedup)
 
     def _admit(self, work: dict[str, tuple[_Seq, int]], budget: int) -> int:
         bs = self.config.block_size
@@ -466,9 +471,13 @@ class SimEngine(EngineLifecycle):
             token_ids=[token], text=delta.text, finish_reason=finish, stop_reason=delta.stop_reason
         )
         if request.sampling.logprobs is not None:
-            out.logprobs = [logprob(self._vocab, self.config.seed, seq.stream_key, pos, token, request.sampling.logprobs)]
+            out.logprobs = [
+                logprob(self._vocab, self.config.seed, seq.stream_key, pos, token, request.sampling.logprobs)
+            ]
         if not seq.sent_first and (k := request.sampling.prompt_logprobs) is not None:
-            out.prompt_logprobs = sim_draws.prompt_logprobs(self._vocab, self.config.seed, seq.stream_key, request, k)
+            out.prompt_logprobs = sim_draws.prompt_logprobs(
+                self._vocab, self.config.seed, seq.stream_key, request, k
+            )
         if not seq.sent_first or finish is not None:
             seq.sent_first = True
             out.prompt_tokens = len(request.prompt_token_ids)
@@ -481,8 +490,6 @@ class SimEngine(EngineLifecycle):
     def _draw(self, key: int, pos: int, tag: int) -> int:
         return draw(self.config.seed, key, pos, tag)
 
-    # -- KV events -------------------------------------------------------------------------
-
     @property
     def kv_batches_dropped(self) -> int:
         """KV event batches dropped because the reader fell behind (it got a snapshot instead)."""
@@ -491,10 +498,3 @@ class SimEngine(EngineLifecycle):
     def _publish(self, events: list[KVEvent]) -> None:
         if events:
             self._kv_events.publish(KVEventBatch(ts=time.time(), events=events))
-
-    def _snapshot(self) -> KVEventBatch:
-        events: list[KVEvent] = [AllBlocksCleared()]
-        hashes = self._pool.cached_hashes()
-        if hashes:
-            events.append(BlockStored(block_hashes=hashes))
-        return KVEventBatch(ts=time.time(), events=events)

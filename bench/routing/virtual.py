@@ -173,6 +173,10 @@ class MemoryIndex:
                     self._holders[key].discard(worker_id)
                 held.clear()
 
+    async def tiered_overlaps(self, model: str, block_hashes: Sequence[int]) -> dict[str, tuple[int, int]]:
+        """As KVIndex's: (leading blocks held, of which only on a host tier); this copy has no host tiers."""
+        return {w: (n, 0) for w, n in (await self.overlaps(model, block_hashes)).items()}
+
     async def overlaps(self, model: str, block_hashes: Sequence[int]) -> dict[str, int]:
         """Leading blocks of the chain each worker holds (workers holding none are absent)."""
         out: dict[str, int] = {}

@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from bench.routing.virtual import MemoryIndex
 from kvstore.hashing import block_hashes, chain_seed
 from kvstore.kv_index import KVIndex
-from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from schemas.kv_events import MEDIUM_HOST, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from schemas.names import RedisKeys
 
 pytestmark = pytest.mark.integration
@@ -49,6 +49,29 @@ async def test_cleared_and_swept_workers_vanish(redis_url: str, prefix: str) -> 
     assert await idx.overlaps("m", chain) == {"a": 1}
     assert await client.exists(keys.worker_blocks("b")) == 0
     await idx.clear_worker("a")
+    assert await client.keys(f"{prefix}kv*") == []
+
+
+async def test_host_tier_blocks_are_held_and_counted_apart(redis_url: str, prefix: str) -> None:
+    client = aioredis.from_url(redis_url)
+    idx = KVIndex(client, RedisKeys(prefix))
+    chain = block_hashes(list(range(64 * 6)), 64, SEED)
+    # a: 4 blocks on device; its last 2 evicted to the host, and 2 more stored only on the host.
+    await idx.apply("a", "m", _batch(BlockStored(chain[:4])))
+    await idx.apply("a", "m", _batch(BlockRemoved(chain[2:4]), BlockStored(chain[2:6], medium=MEDIUM_HOST)))
+    await idx.apply("b", "m", _batch(BlockStored(chain[:3])))
+    assert await idx.tiered_overlaps("m", chain) == {"a": (6, 4), "b": (3, 0)}
+    assert await idx.overlaps("m", chain) == {"a": 6, "b": 3}
+    # Loaded back to the device: device again, with the host copy kept.
+    await idx.apply("a", "m", _batch(BlockStored(chain[2:3])))
+    assert (await idx.tiered_overlaps("m", chain))["a"] == (6, 3)
+    # The host tier drops a copy the device also holds: still held; one only there: gone.
+    await idx.apply("a", "m", _batch(BlockRemoved(chain[2:4], medium=MEDIUM_HOST)))
+    assert (await idx.tiered_overlaps("m", chain))["a"] == (3, 0)
+    await idx.apply("a", "m", _batch(BlockRemoved(chain[2:3])))
+    assert (await idx.tiered_overlaps("m", chain))["a"] == (2, 0)
+    await idx.clear_worker("a")
+    await idx.clear_worker("b")
     assert await client.keys(f"{prefix}kv*") == []
 
 

@@ -26,3 +26,14 @@ def test_max_model_len_zero_is_the_models_own(model_path: Path) -> None:
     engine = build_engine(WorkerSettings(model_path=str(model_path)))
     assert isinstance(engine, SimEngine)
     assert engine.config.max_model_len == load_model_info(str(model_path)).max_position_embeddings
+
+
+def test_host_tier_bytes_per_token_come_from_the_model_unless_given(model_path: Path) -> None:
+    derived = build_engine(WorkerSettings(model_path=str(model_path), num_host_blocks=8))
+    given = build_engine(WorkerSettings(model_path=str(model_path), num_host_blocks=8, kv_bytes_per_token=7))
+    off = build_engine(WorkerSettings(model_path=str(model_path)))
+    assert isinstance(derived, SimEngine) and isinstance(given, SimEngine) and isinstance(off, SimEngine)
+    # The default model, SmolLM2-135M: 30 layers x 3 KV heads x 64 head dim x 2 (K and V) x 2 bytes (bf16).
+    assert derived.config.kv_bytes_per_token == 30 * 3 * 64 * 2 * 2
+    assert given.config.kv_bytes_per_token == 7
+    assert off.config.kv_bytes_per_token == 0

@@ -169,11 +169,48 @@ def test_blocks_of_another_size_are_skipped(bridge: KVBridge) -> None:
     assert bridge.skipped_blocks == 3 and len(bridge) == 0
 
 
-def test_offload_tiers_and_other_groups_are_ignored(bridge: KVBridge) -> None:
+def test_storage_tier_and_other_groups_are_ignored(bridge: KVBridge) -> None:
     tokens = list(range(BS))
-    batch = KVEventBatch(1.0, [store(tokens, 0, 1, medium="CPU"), store(tokens, 0, 1, group_idx=1)])
+    batch = KVEventBatch(1.0, [store(tokens, 0, 1, medium="STORAGE"), store(tokens, 0, 1, group_idx=1)])
     assert bridge.translate(batch) is None
     assert bridge.translate(KVEventBatch(1.0, [store(tokens, 0, 1, medium=None, group_idx=None)])) is not None
+
+
+def test_host_tier_blocks_keep_their_medium(bridge: KVBridge) -> None:
+    tokens = list(range(3 * BS))
+    expected = block_hashes(tokens, BS, chain_seed(MODEL))
+    vh = vllm_hashes(tokens)
+    bridge.translate(KVEventBatch(1.0, [store(tokens, 0, 3)]))
+    # Offloaded copies of device blocks, one of them as vLLM's placeholder (no tokens, block size 0).
+    placeholder = BlockStored([vh[2]], None, [], 0, medium="CPU")
+    batch = KVEventBatch(1.0, [store(tokens, 0, 2, medium="CPU"), placeholder])
+    got = bridge.translate(batch)
+    assert got is not None
+    assert got.events == [
+        ferry.BlockStored(expected[:2], medium="CPU"),
+        ferry.BlockStored(expected[2:], medium="CPU"),
+    ]
+    # The device copies go; the host copies stay until the host tier drops them.
+    gone = one(bridge.translate(KVEventBatch(1.0, [BlockRemoved(vh)])))
+    assert gone == ferry.BlockRemoved(expected)
+    assert bridge.ferry_hash(vh[0]) == expected[0]
+    snap = bridge.snapshot().events
+    assert snap == [ferry.AllBlocksCleared(), ferry.BlockStored(expected, medium="CPU")]
+    gone = one(bridge.translate(KVEventBatch(1.0, [BlockRemoved(vh[:1], medium="CPU")])))
+    assert gone == ferry.BlockRemoved(expected[:1], medium="CPU")
+    assert len(bridge) == 2
+
+
+def test_host_tier_blocks_never_on_device_are_hashed_from_tokens(bridge: KVBridge) -> None:
+    tokens = list(range(2 * BS))
+    expected = block_hashes(tokens, BS, chain_seed(MODEL))
+    ev = one(bridge.translate(KVEventBatch(1.0, [store(tokens, 0, 2, medium="CPU")])))
+    assert ev == ferry.BlockStored(expected, medium="CPU")
+    # A device block continuing that chain finds its parent on the host tier.
+    more = list(range(3 * BS))
+    more[: 2 * BS] = tokens
+    ev = one(bridge.translate(KVEventBatch(1.0, [store(more, 2, 1)])))
+    assert ev == ferry.BlockStored(block_hashes(more, BS, chain_seed(MODEL))[2:], parent_hash=expected[1])
 
 
 def test_reset_and_snapshot(bridge: KVBridge) -> None:

@@ -22,16 +22,17 @@ def _w(wid: str, waiting: int = 0, kv_usage: float = 0.0) -> WorkerStatus:
 class FakeIndex:
     """Overlaps by worker, as the Redis index would answer them; `fail` simulates an outage."""
 
-    def __init__(self, held: dict[str, int]) -> None:
+    def __init__(self, held: dict[str, int], host: dict[str, int] | None = None) -> None:
         self.held = held
+        self.host = host or {}  # of the held blocks, how many only on the worker's host tier
         self.fail = False
         self.calls = 0
 
-    async def overlaps(self, model: str, chain: list[int]) -> dict[str, int]:
+    async def tiered_overlaps(self, model: str, chain: list[int]) -> dict[str, tuple[int, int]]:
         self.calls += 1
         if self.fail:
             raise ConnectionError("redis down")
-        return {w: min(n, len(chain)) for w, n in self.held.items() if n}
+        return {w: (min(n, len(chain)), self.host.get(w, 0)) for w, n in self.held.items() if n}
 
 
 def _router(policy: str = "kv", index: FakeIndex | None = None, seed: int = 0, **cfg: object) -> Router:
@@ -72,6 +73,22 @@ async def test_kv_prefers_the_holder_of_a_long_prefix() -> None:
     d = await r.choose("m", [_w("a"), _w("b"), _w("c")], PromptMemo(PROMPT))
     assert (d.worker_id, d.predicted_cached_blocks) == ("b", 8)
     assert d.prefill_tokens == 160 - 8 * 16 and d.decode_blocks == 10
+
+
+@pytest.mark.parametrize(
+    ("host", "weight", "winner"),
+    [(8, 0.75, "b"), (8, 1.0, "a"), (2, 0.75, "a"), (0, 0.0, "a")],
+    ids=["8-on-host-count-6", "host-weighted-fully", "2-on-host-count-7.5", "all-on-device"],
+)
+async def test_kv_counts_host_tier_blocks_at_their_weight(host: int, weight: float, winner: str) -> None:
+    # a holds 8 leading blocks, `host` of them only on its host tier; b holds 7 on its device.
+    r = _router(index=FakeIndex({"a": 8, "b": 7}, host={"a": host}), host_block_weight=weight)
+    d = await r.choose("m", [_w("a"), _w("b")], PromptMemo(PROMPT))
+    assert d.worker_id == winner
+    expected = (8, host) if winner == "a" else (7, 0)
+    assert (d.predicted_cached_blocks, d.predicted_host_blocks) == expected
+    # Loading host blocks back is not prefill: the tokens to compute are the uncached ones.
+    assert d.prefill_tokens == 160 - expected[0] * 16
 
 
 async def test_kv_load_pushes_requests_away_from_a_busy_holder() -> None:

@@ -462,3 +462,43 @@ async def test_first_token_eta_follows_the_queue_and_the_cache(make_engine: Make
     await collect(engine.generate(req("warm", p, 4)))
     # Its first two 16-token blocks are cached now: only the rest of a longer prompt is prefilled.
     assert engine.first_token_eta([*p, *prompt(8, 2)]) == pytest.approx(step_seconds(48 - 32, 0, 0, cap))
+
+
+class TimedEngine(RecordingEngine):
+    """Also records each step's simulated seconds."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seconds: list[float] = []
+
+    def _schedule(self) -> _Step | None:
+        step = super()._schedule()
+        if step is not None:
+            self.seconds.append(step.seconds)
+        return step
+
+
+async def test_host_tier_serves_an_evicted_prefix_and_charges_the_load(make_engine: MakeEngine) -> None:
+    # 16 bytes per block at 1e-9 GB/s (1 B/s): loading a block costs 16 s, / speedup 1e9.
+    engine = await make_engine(
+        TimedEngine,
+        num_blocks=8,
+        max_model_len=128,
+        num_host_blocks=32,
+        kv_bytes_per_token=1,
+        host_offload_h2d_bandwidth_gbps=1e-9,
+    )
+    assert isinstance(engine, TimedEngine)
+    a = prompt(50)
+    await collect(engine.generate(req("a1", a, 2)))
+    # b needs 7 of the 8 blocks: 5 free ones, then a's 2 tail blocks are evicted to the host.
+    await collect(engine.generate(req("b", prompt(100, 5), 2)))
+    before = len(engine.seconds)
+    again = await collect(engine.generate(req("a2", a, 2, index=1)))
+    assert again.last.cached_tokens == 48
+    # 1 block from the device and 2 from the host: the step prefills 2 tokens and loads 2 blocks.
+    assert engine.seconds[before] == pytest.approx(step_seconds(2, 0, 0, 128, 1e9) + 32 / 1e9)
+    host = [
+        e for b in await drain(engine) for e in b.events if isinstance(e, BlockStored) and e.medium == "CPU"
+    ]
+    assert host
