@@ -67,7 +67,8 @@ def rewrite_tables(doc: str) -> str:
     """`doc` with its settings tables (first section title through the last table's last row) regenerated."""
     tables = markdown_tables().rstrip("\n")
     start = doc.index(tables.splitlines()[0])
-    lines = doc[doc.index(f"### {UP_TITLE}", start) :].splitlines(keepends=True)
+    last_title = [line for line in tables.splitlines() if line.startswith("### ")][-1]
+    lines = doc[doc.index(last_title, start) :].splitlines(keepends=True)
     end = next(i for i, line in enumerate(lines) if line.startswith("|"))
     while end < len(lines) and lines[end].startswith("|"):
         end += 1
