@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -171,3 +172,24 @@ async def sse_events(response: httpx.Response) -> AsyncIterator[tuple[str | None
             event_id = line[3:].strip()
         elif line.startswith("data:"):
             data.append(line[5:].lstrip())
+
+
+async def stream_with_fault(
+    url: str, body: dict[str, Any], victim_id: str, fault: Callable[[], Awaitable[None]]
+) -> tuple[list[tuple[str | None, str]], str]:
+    """Stream `body` (chat, ignore_eos) from the victim, calling `fault` after the third event; the events and the
+    text, once checked: no error event, a `length` finish."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.headers.get("x-ferry-worker") == victim_id, (r.status_code, await r.aread())
+            events = []
+            async with asyncio.timeout(30):  # never a hang
+                async for e in sse_events(r):
+                    events.append(e)
+                    if len(events) == 3:
+                        await fault()
+    assert not any('"error"' in d for _, d in events), events[-3:]
+    chunks = [json.loads(d) for _, d in events if d != "[DONE]"]
+    text = "".join(ch["delta"].get("content", "") for c in chunks for ch in c.get("choices", []))
+    assert text and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    return events, text

@@ -208,8 +208,14 @@ class Worker:
             try:
                 await asyncio.wait_for(self.idle.wait(), timeout=s.drain_grace_s)
             except TimeoutError:
-                log.warning("worker %s: grace period over, aborting %d request(s)", s.worker_id, len(self.serving))
-                await self.serving.fail_all(ErrorInfo("worker_stopped", "worker stopped before finishing", retriable=True))
+                # No last word, as from a dead worker: once this worker leaves the registry below, frontends
+                # move the streams to other workers instead of telling their clients it stopped.
+                log.warning(
+                    "worker %s: grace period over, handing %d request(s) back to be moved",
+                    s.worker_id,
+                    len(self.serving),
+                )
+                await self.serving.abandon()
         if not await self._outbox.flush(10.0):
             log.warning("could not flush every reply before leaving")
         with contextlib.suppress(KafkaError, TimeoutError):

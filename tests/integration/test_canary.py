@@ -5,17 +5,14 @@ worker and finish there with no error, and it exits with 1."""
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Awaitable, Callable
 
-import httpx
 import pytest
 import redis.asyncio as aioredis
 
 from kvstore.registry import Registry
 from schemas.names import RedisKeys
 from server.frontend import Frontend
-from tests.harness import Harness, sse_events, until
+from tests.harness import Harness, stream_with_fault, until
 from workers.engine import EngineDead
 from workers.sim import SimEngine
 
@@ -46,26 +43,6 @@ async def test_a_healthy_engine_answers_the_canary(h: Harness) -> None:
     engine.hung = False
 
 
-async def _stream_with_fault(
-    url: str, victim_id: str, fault: Callable[[], Awaitable[None]]
-) -> tuple[list[tuple[str | None, str]], str]:
-    """Stream BODY from the victim, calling `fault` after the third event; the events and the text."""
-    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-        async with c.stream("POST", "/v1/chat/completions", json=BODY) as r:
-            assert r.headers.get("x-ferry-worker") == victim_id, (r.status_code, await r.aread())
-            events = []
-            async with asyncio.timeout(30):  # never a hang
-                async for e in sse_events(r):
-                    events.append(e)
-                    if len(events) == 3:
-                        await fault()
-    assert not any('"error"' in d for _, d in events), events[-3:]
-    chunks = [json.loads(d) for _, d in events if d != "[DONE]"]
-    text = "".join(ch["delta"].get("content", "") for c in chunks for ch in c.get("choices", []))
-    assert text and chunks[-1]["choices"][0]["finish_reason"] == "length"
-    return events, text
-
-
 async def _gone(redis: aioredis.Redis, keys: RedisKeys, worker_id: str) -> bool:
     live, _ = await Registry(redis, keys).snapshot()
     return worker_id not in {w.worker_id for w in live}
@@ -89,7 +66,7 @@ async def test_hung_engine_is_caught_and_its_stream_moves(h: Harness, redis_url:
         await h.add_worker(canary_wait_s=0)
 
     try:
-        await _stream_with_fault(url, vid, hang)
+        await stream_with_fault(url, BODY, vid, hang)
         assert await asyncio.wait_for(victim.task, 30) == 1  # exits non-zero, for its supervisor
         assert isinstance(victim.worker._fatal, Exception) and "canary" in str(victim.worker._fatal)
         assert await _gone(redis, keys, vid)
@@ -119,7 +96,7 @@ async def test_a_dead_engines_stream_finishes_on_another_worker(h: Harness, redi
         engine.crash = True
 
     try:
-        await _stream_with_fault(url, vid, crash)
+        await stream_with_fault(url, BODY, vid, crash)
         assert await asyncio.wait_for(victim.task, 30) == 1  # exits non-zero, for its supervisor
         assert isinstance(victim.worker._fatal, EngineDead) and "crash" in str(victim.worker._fatal)
         assert await _gone(redis, RedisKeys(prefix), vid)

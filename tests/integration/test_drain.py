@@ -21,7 +21,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas.names import request_topic
-from tests.harness import Harness, frontend_process, sse_events, worker_process
+from tests.harness import Harness, frontend_process, sse_events, stream_with_fault, worker_process
 
 pytestmark = pytest.mark.integration
 
@@ -124,6 +124,25 @@ async def test_sigterm_worker_leaves_routing_finishes_commits_and_exits_0(
         assert wid not in fe.svc.pool.workers or fe.svc.pool.workers[wid].draining
     finally:
         await child.stop()
+
+
+async def test_a_stream_outlasting_the_drain_grace_moves_to_another_worker(h: Harness) -> None:
+    # Real-time steps and a half-second grace: the stream is still running when the grace is over.
+    victim = await h.add_worker(speedup=1.0, drain_grace_s=0.5)
+    fe, url = await h.add_frontend()
+    vid = victim.worker.settings.worker_id
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about ferries."}],
+            "max_tokens": 400, "ignore_eos": True, "stream": True}  # fmt: skip
+    rescuers = []
+
+    async def drain() -> None:
+        rescuers.append(await h.add_worker())
+        victim.shutdown.set()  # as SIGTERM
+
+    await stream_with_fault(url, body, vid, drain)
+    assert await asyncio.wait_for(victim.task, 30) == 0  # a drain, not a failure
+    assert rescuers[0].worker.metrics.generated_tokens._value.get() > 0  # the rest was generated there
+    assert fe.metrics.migrations.labels("worker_died", "moved")._value.get() == 1
 
 
 async def test_sigterm_frontend_refuses_new_finishes_open_streams_and_exits_0(
