@@ -25,7 +25,8 @@ from planner.latency import FrontendScraper
 from planner.loop import Planner
 from planner.metrics import PlannerMetrics
 from schemas.names import RedisKeys
-from schemas.settings import PlannerPolicySettings, WorkerSettings
+from schemas.ops_settings import PlannerPolicySettings
+from schemas.settings import WorkerSettings
 from workers.worker import READY_MARK
 
 log = logging.getLogger("ferry.stack")

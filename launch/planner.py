@@ -20,7 +20,7 @@ from planner.latency import FrontendScraper, PrometheusSource
 from planner.loop import LatencySource, Planner
 from planner.metrics import PlannerMetrics
 from schemas.names import RedisKeys
-from schemas.settings import PlannerSettings
+from schemas.ops_settings import PlannerSettings
 
 log = logging.getLogger("ferry.planner")
 

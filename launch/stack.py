@@ -17,7 +17,8 @@ from launch.autoscale import LocalPlanner, LocalWorkers, start_planner
 from launch.flags import ENGINE_EPILOG, EPILOG, add_flags, from_namespace, given, split_engine_flags, to_argv
 from launch.monitor import Monitor, start_monitor
 from launch.services import Child, free_port, start_broker, start_redis
-from schemas.settings import FrontendSettings, PlannerPolicySettings, StackSettings, WorkerSettings
+from schemas.ops_settings import PlannerPolicySettings
+from schemas.settings import FrontendSettings, StackSettings, WorkerSettings
 from server.tenants import TenantsError, configured_tenants
 
 log = logging.getLogger("ferry.stack")

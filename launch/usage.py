@@ -16,7 +16,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from launch.flags import load
 from schemas.names import usage_topic
-from schemas.settings import UsageSettings
+from schemas.ops_settings import UsageSettings
 from schemas.tenants import UsageRecord
 
 COLUMNS = ("requests", "errors", "prompt_tokens", "cached_tokens", "completion_tokens")

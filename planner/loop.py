@@ -16,7 +16,7 @@ from planner.kafka_lag import KafkaLag
 from planner.latency import Latency
 from planner.metrics import PlannerMetrics
 from planner.policy import Action, Decision, Observation, Policy
-from schemas.settings import PlannerPolicySettings
+from schemas.ops_settings import PlannerPolicySettings
 
 log = logging.getLogger("ferry.planner")
 

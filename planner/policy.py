@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import math
 
-from schemas.settings import PlannerPolicySettings
+from schemas.ops_settings import PlannerPolicySettings
 
 
 class Action(enum.StrEnum):

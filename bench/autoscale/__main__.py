@@ -35,7 +35,8 @@ from bench.workload import DEFAULT_TRACE, WorkItem, read_trace, trace_workload
 from launch.autoscale import LocalWorkers, start_planner
 from launch.services import Child, free_port, start_broker, start_redis
 from planner.policy import Action, Decision, Observation, Policy, Reason
-from schemas.settings import PlannerPolicySettings, WorkerSettings
+from schemas.ops_settings import PlannerPolicySettings
+from schemas.settings import WorkerSettings
 
 MODEL = "SmolLM2-135M-Instruct"
 

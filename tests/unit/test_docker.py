@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from launch.flags import load
-from schemas.settings import FrontendSettings, PlannerSettings, WorkerSettings
+from schemas.ops_settings import PlannerSettings
+from schemas.settings import FrontendSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())

@@ -17,7 +17,8 @@ import yaml
 
 from launch.flags import load
 from schemas.names import pool_group, pool_topic
-from schemas.settings import FrontendSettings, PlannerSettings, WorkerSettings
+from schemas.ops_settings import PlannerSettings
+from schemas.settings import FrontendSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"

@@ -15,7 +15,7 @@ import pytest
 from planner.actuators import GaugeOnly, KubernetesDeployment
 from planner.latency import ITL, TTFT, parse_histograms, quantile
 from planner.policy import Action, Observation, Policy, Reason
-from schemas.settings import PlannerPolicySettings
+from schemas.ops_settings import PlannerPolicySettings
 
 CFG = PlannerPolicySettings(
     min_workers=1, max_workers=6, ttft_p90_target_s=1.0, itl_p90_target_s=0.05, planner_interval_s=5.0,
