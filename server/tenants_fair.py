@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from schemas.status import WorkerStatus
 from schemas.tenants import Tenant
 from server.errors import APIError
+from server.tenants_quota import background
 
 _RANK = {"high": 0, "normal": 1, "low": 2}
 SHARED_S = 10.0  # counters synced from Redis this recently are Redis's to charge
@@ -136,13 +137,8 @@ class FairQueue:
                 if self.queued():
                     self.release()
 
-        task = asyncio.create_task(loop(), name="tenant-fair-queue")
-        try:
+        async with background(loop(), "tenant-fair-queue"):
             yield self
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
 
 def room_of(workers: list[WorkerStatus], available: list[WorkerStatus], busy_waiting: int) -> int:

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -117,6 +117,18 @@ def _reset_text(ms: int) -> str:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+@contextlib.asynccontextmanager
+async def background(coro: Coroutine[object, object, None], name: str) -> AsyncIterator[None]:
+    """Run `coro` as a task for the duration of the block; cancelled and awaited on the way out."""
+    task = asyncio.create_task(coro, name=name)
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 @dataclass
@@ -291,13 +303,8 @@ class QuotaGate:
                 await asyncio.sleep(REFRESH_S)
                 await self.refresh()
 
-        task = asyncio.create_task(loop(), name="tenant-leases")
-        try:
+        async with background(loop(), "tenant-leases"):
             yield self
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
 
 class RateLimited(APIError):
