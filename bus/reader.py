@@ -232,6 +232,15 @@ class Reader(Generic[T]):
         """Let the loop end after its current round; the consumer stays (for last commits) until `stop`."""
         self._finishing = True
 
+    async def finished(self, timeout_s: float) -> bool:
+        """`finish`, then wait up to `timeout_s` for the loop's last round to end; False if it has not."""
+        self.finish()
+        task = self._task
+        if task is None or task.done():
+            return True
+        done, _ = await asyncio.wait([task], timeout=timeout_s)
+        return bool(done)
+
     async def stop(self) -> None:
         """End the loop, run the closing hook, stop the consumer. Safe to call more than once."""
         if self._stopped:

@@ -67,9 +67,9 @@ class Serving:
         self._cancelled: set[asyncio.Task[None]] = set()
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
-        # What requests cut short by fail_all tell their clients.
-        self._stop_error = ErrorInfo("worker_stopped", "worker stopped before finishing", retriable=True)
-        self._silent = False  # set by abandon()
+        # What requests cut short tell their clients: set by fail_all. None (abandon) sends no last word, so
+        # frontends count them lost once this worker leaves the registry and move them to another worker.
+        self._stop_error: ErrorInfo | None = None
 
     def __len__(self) -> int:
         return len(self._inflight)
@@ -117,15 +117,15 @@ class Serving:
         for rid, task in list(self._inflight.items()):
             task.cancel()
             await self._engine.abort(rid)
-        await self.stop()
+        await self._cancel_all()
 
     async def abandon(self) -> None:
         """End every request in flight without a last chunk: frontends count them lost and move them."""
-        self._silent = True
-        await self.stop()
+        self._stop_error = None
+        await self._cancel_all()
 
-    async def stop(self) -> None:
-        """Cancel every request still in flight and wait for their tasks (each queues its last chunk)."""
+    async def _cancel_all(self) -> None:
+        """Cancel every request still in flight and wait for their tasks."""
         tasks = list(self._inflight.values())
         for t in tasks:
             t.cancel()
@@ -192,14 +192,13 @@ class Serving:
                 # An engine that reports the abort itself (the sim engine does) ended it on a Cancel too.
                 metrics.requests.labels("aborted" if aborted else "finished").inc()
         except asyncio.CancelledError:
-            if not self._silent:
+            if self._stop_error is not None:
                 self._outbox.send_final_nowait(req, ending(req, seq, wid, self._stop_error))
             metrics.requests.labels("cancelled").inc()
             raise
         except EngineDead as exc:
             # As from a dead worker, no last word: an error chunk would reach the client, while silence lets
             # frontends move the stream once this worker leaves routing (workers/worker.py abandons the rest).
-            self._silent = True
             self._on_fatal(exc)
             metrics.requests.labels("error").inc()
         except EngineError as exc:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
@@ -150,7 +151,9 @@ class Worker:
             if t is not sender:
                 t.cancel()
         await asyncio.gather(*(t for t in tasks if t is not sender), return_exceptions=True)
-        await self.serving.stop()
+        # Whatever still runs (a request that arrived after the drain, a caller that gave up on it) ends
+        # without a last word: frontends move it once this worker has left the registry.
+        await self.serving.abandon()
         if sender is not None:
             # Hand every queued chunk (final ones included) to the producer, whose stop() flushes them.
             await self._outbox.handed_over(5.0)
@@ -202,20 +205,21 @@ class Worker:
         # alive and keep waiting for the requests we finish. We leave the registry only at the end.
         with contextlib.suppress(Exception):
             await self.heartbeat.once()
-        n = len(self.serving)
-        log.info("worker %s draining: %d request(s) in flight, grace %.0fs", s.worker_id, n, s.drain_grace_s)
-        if n:
-            try:
-                await asyncio.wait_for(self.idle.wait(), timeout=s.drain_grace_s)
-            except TimeoutError:
-                # No last word, as from a dead worker: once this worker leaves the registry below, frontends
-                # move the streams to other workers instead of telling their clients it stopped.
-                log.warning(
-                    "worker %s: grace period over, handing %d request(s) back to be moved",
-                    s.worker_id,
-                    len(self.serving),
-                )
-                await self.serving.abandon()
+        log.info(
+            "worker %s draining: %d request(s) in flight, grace %.0fs", s.worker_id, len(self.serving), s.drain_grace_s
+        )
+        deadline = time.monotonic() + s.drain_grace_s
+        await self._until_idle(deadline)
+        # Requests routed here before every router saw us draining may still arrive: read the inbox to its
+        # end of the current poll, then let those finish too. Anything routed later stays unread and moves.
+        await self._inbox.reader.finished(max(deadline - time.monotonic(), 0.0))
+        if not await self._until_idle(deadline):
+            # No last word, as from a dead worker: once this worker leaves the registry below, frontends
+            # move the streams to other workers instead of telling their clients it stopped.
+            log.warning(
+                "worker %s: grace period over, handing %d request(s) back to be moved", s.worker_id, len(self.serving)
+            )
+            await self.serving.abandon()
         if not await self._outbox.flush(10.0):
             log.warning("could not flush every reply before leaving")
         with contextlib.suppress(KafkaError, TimeoutError):
@@ -224,6 +228,14 @@ class Worker:
             # Commit finished batch items and leave the group: the others take our partitions at once.
             await self.pool.close()
         await self.heartbeat.leave()
+
+    async def _until_idle(self, deadline: float) -> bool:
+        """Wait until nothing is in flight, up to the monotonic `deadline`; False if requests remain."""
+        try:
+            await asyncio.wait_for(self.idle.wait(), timeout=max(deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            return False
+        return True
 
     # ---- what the pool consumer needs of its host (workers/pool_consumer.py) ------------------------
 
