@@ -98,9 +98,10 @@ def _deltas(
 async def stream(
     src: ChunkSource, events: Events, after: int = -1, ids: bool = False
 ) -> AsyncIterator[bytes]:
-    """The SSE events of a request: the kind's opening, one per delta, `usage` last when asked for, then
-    `[DONE]`; event ids <= `after` are skipped, and sent as `id:` lines when `ids`. Each batch of chunks
-    that arrived together goes out as one write. The source is closed however the stream ends."""
+    """The SSE events of a request: the kind's opening with the first output, one per delta, `usage` last
+    when asked for, then `[DONE]`; event ids <= `after` are skipped, and sent as `id:` lines when `ids`. Each
+    batch of chunks that arrived together goes out as one write. The source is closed however the stream
+    ends."""
     states = _states(src)
     eid = 0
     out: list[bytes] = []
@@ -116,15 +117,23 @@ async def stream(
         out.clear()
         return data
 
+    opened = False
+
+    def open_once() -> None:
+        # The opening goes out with the first output, as vLLM sends its role chunk: sent earlier, it would
+        # reach clients before any token and count as their time to first token.
+        nonlocal opened
+        if not opened:
+            opened = True
+            for body in events.opening():
+                emit(_running_usage(body, src.spec, 0))
+
     try:
-        for body in events.opening():
-            emit(_running_usage(body, src.spec, 0))
-        if out:
-            yield flush()
         async for batch in src.chunks():
             if not batch:
                 yield KEEPALIVE
                 continue
+            open_once()
             # Resumable streams number one event per chunk; others merge what arrived together.
             deltas, error = _deltas(src, states, batch, merge=not ids)
             for d in deltas:
@@ -142,6 +151,7 @@ async def stream(
                 return
             if out:
                 yield flush()
+        open_once()
         spec = src.spec
         if spec.include_usage:
             emit(events.usage(usage_of(spec.prompt_lens, spec.n, states)))
