@@ -16,6 +16,8 @@ from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
+from bus.produce import TrackingProducer
+from bus.topics import ensure_topics
 from schemas.names import (
     admin_topic,
     batch_results_topic,
@@ -164,6 +166,28 @@ async def test_requests_in_epochs_the_worker_rolled_past_are_read_and_only_writt
         assert request_topic(wid, epoch + 2) not in await topics(kafka)
         again = await c.post("/v1/completions", json=body)
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 5
+
+
+async def test_a_producer_keeps_the_metadata_of_a_topic_with_a_record_on_its_way(kafka: str) -> None:
+    # A frontend forgets the previous epoch's topic when it meets the next one, while a request to the
+    # previous epoch may still wait in the producer's batch (here held there by linger_ms): the metadata
+    # update the new topic brings must not leave that record without a leader until it expires (a 503).
+    base = f"bounds-{uuid.uuid4().hex[:6]}"
+    other, old, new = f"{base}.replies", f"{base}.e1", f"{base}.e2"
+    producer = TrackingProducer(bootstrap_servers=kafka, linger_ms=300, request_timeout_ms=3000)
+    await producer.start()
+    try:
+        # Created after the producer started, as epochs are: it tracks each by name from its first record.
+        await ensure_topics(kafka, {other: 1, old: 1, new: 1})
+        # Another topic stays tracked (forgetting them all would make the producer ask for every topic).
+        await producer.send_and_wait(other, b"other", partition=0)
+        await producer.send_and_wait(old, b"first", partition=0)
+        delivery = await producer.send(old, b"late", partition=0)
+        producer.forget_idle(also=lambda t: t == old)
+        await producer.send_and_wait(new, b"next", partition=0)
+        assert (await asyncio.wait_for(delivery, 10)).offset == 1
+    finally:
+        await producer.stop()
 
 
 async def _async(value: bool) -> bool:
