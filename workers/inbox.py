@@ -149,13 +149,6 @@ class Inbox:
         consumer.pause(*paused)  # assign() resumes them
         self._window = [*keep, *new]
         self._newest = newest
-        log.warning(
-            self._window,
-            {tp.topic: o for tp, o in positions.items()},
-            ends,
-            done,
-            time.time(),
-        )
         if done:
             try:
                 await delete_topics(self._kafka, done)
@@ -166,14 +159,6 @@ class Inbox:
 
     async def _handle(self, batch: Batch[RequestMessage]) -> None:
         for _record, msg in batch.messages:
-            if isinstance(msg, GenerateRequest):
-                log.warning(
-                    msg.request_id,
-                    msg.attempt,
-                    batch.tp.topic,
-                    _record.offset,
-                    time.time(),
-                )
             await self.dispatch(msg)
 
     async def _reset(self, rewound: list[TopicPartition]) -> None:
