@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -67,23 +68,41 @@ class TrackingProducer(AIOKafkaProducer):
 
     A process that writes to topics other processes roll and delete (a worker's replies, a frontend's
     requests) would otherwise ask for them again, and so re-create them on the embedded broker (see
-    `forget_topics`).
+    `forget_topics`). A topic with a record still on its way is never forgotten: aiokafka's next metadata
+    update would leave its partition without a leader, and the record would wait for one until it expired.
     """
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.last_write: dict[str, float] = {}
+        self._pending: Counter[str] = Counter()  # records handed over and not yet acknowledged, per topic
 
     async def send(self, topic: str, *args: Any, **kwargs: Any) -> Any:
-        """`AIOKafkaProducer.send`, noting the time."""
+        """`AIOKafkaProducer.send`, noting the time and the record until it is acknowledged (or failed)."""
         self.last_write[topic] = time.monotonic()
-        return await super().send(topic, *args, **kwargs)
+        self._pending[topic] += 1
+        try:
+            delivery = await super().send(topic, *args, **kwargs)
+        except BaseException:
+            self._settled(topic)
+            raise
+        delivery.add_done_callback(lambda _fut: self._settled(topic))
+        return delivery
+
+    def _settled(self, topic: str) -> None:
+        self._pending[topic] -= 1
+        if self._pending[topic] <= 0:
+            del self._pending[topic]
 
     def forget_idle(self, idle_s: float = IDLE_TOPIC_S, also: Callable[[str], bool] | None = None) -> None:
-        """Stop tracking the topics not written for `idle_s` (and those `also` picks)."""
+        """Stop tracking the topics not written for `idle_s` (and those `also` picks), unless a record to
+        them is still on its way."""
         now = time.monotonic()
         self.last_write = {t: at for t, at in self.last_write.items() if now - at < idle_s}
-        forget_topics(self, lambda t: t not in self.last_write or (also is not None and also(t)))
+        pending = self._pending
+        forget_topics(
+            self, lambda t: t not in pending and (t not in self.last_write or (also is not None and also(t)))
+        )
 
     async def forget_idle_forever(self, idle_s: float = IDLE_TOPIC_S) -> None:
         """`forget_idle` every `idle_s` / 2 seconds, for the producer's life."""

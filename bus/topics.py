@@ -55,6 +55,17 @@ async def ensure_topics(
                 )
 
 
+async def existing_topics(bootstrap: str, topics: list[str]) -> list[str]:
+    """Those of `topics` the broker lists, in their order.
+
+    Asks for every topic, never for these by name: the embedded broker creates a topic anew when asked for
+    it by name (docs/architecture.md, broker quirk "metadata re-creates topics").
+    """
+    async with _admin(bootstrap) as admin:
+        listed = set(await admin.list_topics())
+    return [t for t in topics if t in listed]
+
+
 async def delete_topics(bootstrap: str, topics: list[str]) -> None:
     """Delete topics (those already gone are fine)."""
     async with _admin(bootstrap) as admin:
@@ -102,6 +113,10 @@ class RequestTopics:
         if e is None:
             return [request_topic(worker_id)]
         return [request_topic(worker_id, n) for n in range(e - self.LAG, e + 1)]
+
+    def between(self, worker_id: str, after: int, before: int) -> list[str]:
+        """The rolled topics of the epochs strictly between `after` and `before`, oldest first."""
+        return [request_topic(worker_id, n) for n in range(after + 1, before)]
 
     def deletable(self, topic: str) -> bool:
         """True for a rolled topic behind the window whose epoch ended `grace_s` ago or more."""

@@ -12,7 +12,7 @@ from aiokafka.errors import KafkaError
 
 from bus.log_watch import positions_and_ends
 from bus.reader import Batch, Hooks, Options, Own, Poll, Reader
-from bus.topics import RequestTopics, delete_topics, ensure_topics, retention
+from bus.topics import RequestTopics, delete_topics, ensure_topics, existing_topics, retention
 from schemas.kafka import (
     Cancel,
     EngineControl,
@@ -22,7 +22,7 @@ from schemas.kafka import (
     UnloadLora,
     request_decoder,
 )
-from schemas.names import request_topic
+from schemas.names import request_epoch, request_topic
 from schemas.settings import WorkerSettings
 from workers.lora import LoraControl
 from workers.metrics import WorkerMetrics
@@ -59,6 +59,7 @@ class Inbox:
         self.topics = RequestTopics(settings.request_roll_s)
         self._configs = retention(settings.kafka_request_retention_s, settings.kafka_retention_bytes)
         self._window: list[str] = []  # the rolled topics assigned now, oldest first
+        self._newest: int | None = None  # the newest epoch assigned so far (None: none since open or a reset)
         self._ahead = ""  # the next epoch's topic, once created
         self._serving = serving
         self._lora = lora
@@ -72,7 +73,9 @@ class Inbox:
             request_decoder,
             Options(
                 fetch_wait_ms=settings.kafka_fetch_wait_ms,
-                poll=Poll(1000, 256),
+                # The window moves after a poll: several times an epoch, so the next epoch's topic is
+                # created before frontends need it and epochs are seldom skipped (they are read anyway).
+                poll=Poll(_poll_ms(settings.request_roll_s), 256),
                 # An idle worker sees nothing fail while the broker is away (no commit, no reply), so the
                 # check cannot wait for an error: a position past the fetch's high watermark is the only sign
                 # that the broker came back without this log, and on a healthy log it never holds.
@@ -102,12 +105,26 @@ class Inbox:
             # CreateTopics racing on the embedded broker can lose what was written in between).
             await ensure_topics(self._kafka, {ahead: 1}, self._configs)
             self._ahead = ahead
-        new = [t for t in window if t not in self._window]
+        fresh = [t for t in window if t not in self._window]
+        new = fresh  # the topics to assign: the fresh ones of the window, and skipped epochs
+        first, newest = request_epoch(window[0]), request_epoch(window[-1])
+        assert first is not None and newest is not None
+        if self._newest is not None and self._newest + 1 < first:
+            # Whole epochs went by since the last roll (a poll or a loop slower than an epoch): they were
+            # never in a window, yet frontends wrote there. Read those that exist; the others were never
+            # written (a frontend creates its topic before its first send), and asking for them by name
+            # would create them (broker quirk "metadata re-creates topics").
+            skipped = await existing_topics(
+                self._kafka, self.topics.between(self._worker_id, self._newest, first)
+            )
+            if skipped:
+                log.info("requests: reading skipped epochs %s", skipped)
+            new = [*skipped, *fresh]
         behind = [t for t in self._window if self.topics.deletable(t)]
         if not new and not behind:
             return
-        if new:
-            await ensure_topics(self._kafka, dict.fromkeys(new, 1), self._configs)
+        if fresh:
+            await ensure_topics(self._kafka, dict.fromkeys(fresh, 1), self._configs)
         consumer = self.reader.consumer
         paused = consumer.paused()
         ends = {tp.topic: (position, end) for tp, position, end in await positions_and_ends(consumer)}
@@ -131,6 +148,7 @@ class Inbox:
             consumer.seek(tp, offset)
         consumer.pause(*paused)  # assign() resumes them
         self._window = [*keep, *new]
+        self._newest = newest
         if done:
             try:
                 await delete_topics(self._kafka, done)
@@ -145,6 +163,7 @@ class Inbox:
 
     async def _reset(self, rewound: list[TopicPartition]) -> None:
         self._window = []  # the broker lost the topics too: create the window again
+        self._newest = None
         await self._on_log_lost()
 
     async def dispatch(self, msg: RequestMessage) -> None:
@@ -170,3 +189,8 @@ class Inbox:
                 await self._serving.cancel(msg.request_id)
             case LoadLora() | UnloadLora() | EngineControl():
                 self._lora.submit(msg)
+
+
+def _poll_ms(roll_s: float) -> int:
+    """The longest a poll waits for records: a second, or a quarter of an epoch when that is shorter."""
+    return 1000 if roll_s <= 0 else max(20, min(1000, int(roll_s * 250)))
