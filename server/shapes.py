@@ -125,7 +125,8 @@ class Events(Protocol):
     """One stream's chunk bodies, in the kind's shape."""
 
     def opening(self) -> Iterator[msgspec.Struct]:
-        """Bodies sent before any output (chat: the role of each choice; completions: echoed prompts)."""
+        """Bodies sent with the first output, before its deltas (chat: the role of each choice; completions:
+        none, an echoed prompt goes with its choice's first delta)."""
         ...
 
     def delta(self, d: ChoiceDelta) -> msgspec.Struct | None:
