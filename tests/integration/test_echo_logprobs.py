@@ -4,6 +4,7 @@ shows them, streamed or not, for several prompts and n > 1."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -158,3 +159,36 @@ async def test_refusals_stay_as_vllms(client: openai.AsyncOpenAI) -> None:
             model=MODEL, prompt="x", stream=True, echo=True, logprobs=1, extra_body={"prompt_logprobs": 1}
         )
     assert err.value.param == "prompt_logprobs"
+
+
+async def test_batch_line_answers_as_the_route(
+    kafka: str, redis_url: str, prefix: str, model_path: Path, tmp_path: Path
+) -> None:
+    # A batch item's output line is the body the interactive route returns (the sim engine is deterministic).
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    body = {"model": model, "prompt": TEXTS, "max_tokens": 3, "n": 2, "seed": 4, "echo": True, "logprobs": 2}
+    line = {"custom_id": "echo", "method": "POST", "url": "/v1/completions", "body": body}
+    async with harness(kafka, redis_url, prefix, model_path) as h:
+        await h.add_worker(served_model_name=model, speedup=200.0)
+        _, base = await h.add_frontend(served_model_name=model, batch_dir=str(tmp_path))
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as client:
+            f = await client.files.create(
+                file=("in.jsonl", json.dumps(line).encode() + b"\n"), purpose="batch"
+            )
+            batch = await client.batches.create(
+                input_file_id=f.id, endpoint="/v1/completions", completion_window="24h"
+            )
+            for _ in range(1200):
+                done = await client.batches.retrieve(batch.id)
+                if done.status in ("completed", "failed", "expired", "cancelled"):
+                    break
+                await asyncio.sleep(0.05)  # poll period: the Batches API has nothing to wait on
+            assert done.status == "completed" and done.output_file_id, done
+            out = json.loads((await client.files.content(done.output_file_id)).text)
+            interactive = await client.completions.create(**body)
+    choices = out["response"]["body"]["choices"]
+    assert [(c["text"], c["logprobs"]) for c in choices] == [
+        (c.text, c.logprobs.model_dump() if c.logprobs else None) for c in interactive.choices
+    ]
+    assert choices[0]["logprobs"]["token_logprobs"][0] is None
+    assert all("prompt_logprobs" not in c for c in choices)
