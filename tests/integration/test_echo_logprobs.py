@@ -166,7 +166,8 @@ async def test_batch_line_answers_as_the_route(
 ) -> None:
     # A batch item's output line is the body the interactive route returns (the sim engine is deterministic).
     model = f"m-{uuid.uuid4().hex[:8]}"
-    body = {"model": model, "prompt": TEXTS, "max_tokens": 3, "n": 2, "seed": 4, "echo": True, "logprobs": 2}
+    body: dict[str, Any] = {"model": model, "prompt": TEXTS, "max_tokens": 3, "n": 2, "seed": 4}
+    body.update(echo=True, logprobs=2)
     line = {"custom_id": "echo", "method": "POST", "url": "/v1/completions", "body": body}
     async with harness(kafka, redis_url, prefix, model_path) as h:
         await h.add_worker(served_model_name=model, speedup=200.0)
