@@ -216,6 +216,10 @@ class ItemMeta(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: bool = False
     # Text completions with `echo`: the prompt texts to put in front of each choice.
     echo_texts: list[str] = []
+    # Each prompt's first token (echoed prompts' logprobs start with it).
+    first_tokens: list[int] = []
+    # False when only `echo` with `logprobs` had them computed: `prompt_logprobs` shows only when asked for.
+    show_prompt_logprobs: bool = True
     # Kafka-native items: where the result goes.
     reply_topic: str = ""
     # Chat requests with tools: how the output becomes tool calls.

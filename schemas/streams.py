@@ -37,6 +37,8 @@ class StreamRecord(msgspec.Struct, omit_defaults=True, frozen=True):
     logprobs: bool = False
     # Completions with echo=True: the prompt texts the stream starts with.
     echo_texts: list[str] = []
+    # Each prompt's first token (echoed prompts' logprobs start with it).
+    first_tokens: list[int] = []
     frontend_id: str = ""
     continuous_usage: bool = False
     # Chat requests with tools: how the output becomes tool calls.

@@ -46,7 +46,7 @@ async def _remember(fe: Frontend, gen: Generation, kind: Kind, echo: bool) -> di
     record = StreamRecord(
         topic=gen.reply_topic, offset=gen.first_offset, kind=kind.name, model=gen.model, created=gen.created,
         n=spec.n, prompt_lens=spec.prompt_lens, include_usage=spec.include_usage, logprobs=spec.logprobs,
-        echo_texts=spec.prompt_texts if echo else [], frontend_id=fe.settings.frontend_id, tools=spec.tools,
+        echo_texts=spec.prompt_texts if echo else [], first_tokens=spec.first_tokens, frontend_id=fe.settings.frontend_id, tools=spec.tools,
         continuous_usage=spec.continuous_usage,
     )  # fmt: skip
     try:
@@ -87,7 +87,8 @@ async def _generate(kind: Kind, fe: Frontend, request: Request) -> Response:
         await gen.close()
     spec = gen.spec
     done = Finished(gen.id, gen.created, gen.model, states, spec.logprobs, spec.prompt_lens, spec.n,
-                    spec.prompt_texts if echo else None, spec.tools)  # fmt: skip
+                    spec.prompt_texts if echo else None, spec.tools, spec.first_tokens,
+                    prepared.show_prompt_logprobs)  # fmt: skip
     return json_response(kind.whole(done, fe.fmt), {**_headers(gen), **limits})
 
 

@@ -109,6 +109,7 @@ class Generation:
             include_usage=p.include_usage,
             logprobs=p.sampling.logprobs is not None,
             prompt_texts=p.prompt_texts,
+            first_tokens=[x[0] for x in p.prompts],
             continuous_usage=p.continuous_usage,
             tools=p.tools,
         )

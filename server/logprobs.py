@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from schemas.kafka import TokenLogprob
 from schemas.openai import (
     ChatLogprobs,
@@ -33,20 +35,38 @@ class LogprobFormatter:
             content.append(ChatTokenLogprob(tok, e.logprob, list(tok.encode()), tops))
         return ChatLogprobs(content)
 
-    def completion(self, entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
-        """Legacy completion-style logprobs, text offsets counted from `offset`."""
+    def completion(self, entries: Sequence[TokenLogprob | int], offset: int) -> CompletionLogprobs:
+        """Legacy completion-style logprobs, text offsets counted from `offset` by each token's length.
+
+        A bare token id is a token without logprobs (an echoed prompt's first, which nothing precedes). As vLLM
+        shows them, each token's alternatives include the token itself, first, whatever its rank."""
         tokens: list[str] = []
         lps: list[float | None] = []
         tops: list[dict[str, float] | None] = []
         offsets: list[int] = []
         for e in entries:
-            tok = self.token(e.token_id)
+            if isinstance(e, int):
+                tok = self.token(e)
+                lps.append(None)
+                tops.append(None)
+            else:
+                tok = self.token(e.token_id)
+                lps.append(_finite(e.logprob))
+                shown = {tok: _finite(e.logprob)}
+                shown.update((self.token(t), _finite(lp)) for t, lp in e.top)
+                tops.append(shown)
             tokens.append(tok)
-            lps.append(e.logprob)
-            tops.append({self.token(t): lp for t, lp in e.top} or None)
             offsets.append(offset)
             offset += len(tok)
         return CompletionLogprobs(tokens, lps, tops, offsets)
+
+    def echoed(
+        self, first_token: int, prompt: list[TokenLogprob | None] | None, length: int
+    ) -> list[TokenLogprob | int]:
+        """An echoed prompt's entries for `completion`: its first token bare, then the logprobs of the others
+        (a moved sequence's prompt logprobs may run past the prompt into its output: cut at `length`)."""
+        rest = [e for e in (prompt or [])[1:length] if e is not None]
+        return [first_token, *rest]
 
     def prompt(self, entries: list[TokenLogprob | None]) -> PromptLogprobs:
         """vLLM-style prompt logprobs: per position, the prompt token and its top alternatives by token id."""
@@ -60,3 +80,8 @@ class LogprobFormatter:
             shown.setdefault(str(e.token_id), PromptLogprob(e.logprob, e.rank, self.token(e.token_id)))
             out.append(shown)
         return out
+
+
+def _finite(logprob: float) -> float:
+    # JSON has no -inf: vLLM shows an impossible token's logprob as -9999.0.
+    return max(logprob, -9999.0)

@@ -52,6 +52,9 @@ class Prepared:
     continuous_usage: bool = False
     # Chat requests with tools: how the output becomes tool calls (server/tools.py).
     tools: ToolCallMode | None = None
+    # False when prompt logprobs are computed only for `echo` with `logprobs`: the `prompt_logprobs` field
+    # of the response shows only when the request asked for it.
+    show_prompt_logprobs: bool = True
 
 
 def _flatten_content(content: str | list[Any] | None, index: int) -> str:
@@ -238,16 +241,21 @@ class Preprocessor:
         longest = max(len(p) for p in prompts)
         requested = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
         max_tokens = _budget(requested, longest, max_model_len, "prompt", "prompt")
+        sampling = _sampling(req, req.logprobs, self.model.vocab_size)
+        if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
+            # An echoed prompt's tokens come with logprobs like the output's, streamed too (as vLLM does).
+            sampling = msgspec.structs.replace(sampling, prompt_logprobs=req.logprobs)
         return Prepared(
             prompts=prompts,
             prompt_texts=texts,
             max_tokens=max_tokens,
-            sampling=self.model.generation_defaults.fill(_sampling(req, req.logprobs, self.model.vocab_size), req),
+            sampling=self.model.generation_defaults.fill(sampling, req),
             n=req.n,
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             priority=req.priority,
             continuous_usage=_continuous_usage(req),
+            show_prompt_logprobs=req.prompt_logprobs is not None,
         )
 
     async def _prompts(self, prompt: str | list[Any]) -> tuple[list[list[int]], list[str]]:

@@ -77,7 +77,9 @@ def _deltas(
             continue
         tokens = states[seq.choice].tokens
         if not merge:
-            out.append(ChoiceDelta(seq.choice, c.text, c.logprobs, c.finish_reason, tokens))
+            out.append(
+                ChoiceDelta(seq.choice, c.text, c.logprobs, c.finish_reason, tokens, c.prompt_logprobs)
+            )
             continue
         last = out[-1] if out else None
         if c.text or c.logprobs:
@@ -86,8 +88,9 @@ def _deltas(
                 if c.logprobs:
                     last.logprobs = last.logprobs + c.logprobs
                 last.tokens = tokens
+                last.prompt_logprobs = last.prompt_logprobs or c.prompt_logprobs
             else:
-                out.append(ChoiceDelta(seq.choice, c.text, c.logprobs, None, tokens))
+                out.append(ChoiceDelta(seq.choice, c.text, c.logprobs, None, tokens, c.prompt_logprobs))
         if c.finish_reason is not None:
             # The finish reason in a delta of its own, as OpenAI sends it: the SDK's stream helper closes
             # a tool call only on a finishing chunk that follows the call's deltas.

@@ -60,6 +60,7 @@ class Replay:
             include_usage=record.include_usage,
             logprobs=record.logprobs,
             prompt_texts=record.echo_texts,
+            first_tokens=record.first_tokens,
             continuous_usage=record.continuous_usage,
             tools=record.tools,
         )

@@ -56,6 +56,8 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob]
     finish_reason: str | None
     tokens: int = 0  # the choice's tokens up to and including this delta (continuous usage stats)
+    # The prompt logprobs of the first of its chunks that had them (an echoed prompt's logprobs).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def finish(reason: str | None, called: bool = False, mode: ToolCallMode | None = None) -> str | None:
@@ -113,13 +115,18 @@ class Finished:
     echo_texts: list[str] | None = None
     # Chat requests with tools: how the output becomes tool calls.
     tools: ToolCallMode | None = None
+    # Each prompt's first token: an echoed prompt's logprobs start with it.
+    first_tokens: list[int] | None = None
+    # False when the prompt logprobs were computed only for an echo's logprobs (not asked for as such).
+    show_prompt_logprobs: bool = True
 
 
 class Events(Protocol):
     """One stream's chunk bodies, in the kind's shape."""
 
     def opening(self) -> Iterator[msgspec.Struct]:
-        """Bodies sent before any output (chat: the role of each choice; completions: echoed prompts)."""
+        """Bodies sent with the first output, before its deltas (chat: the role of each choice; completions:
+        none, an echoed prompt goes with its choice's first delta)."""
         ...
 
     def delta(self, d: ChoiceDelta) -> msgspec.Struct | None:
@@ -184,7 +191,9 @@ class ChatEvents:
 
 
 class CompletionEvents:
-    """`text_completion` chunk bodies; text offsets for logprobs count from the start of each choice."""
+    """`text_completion` chunk bodies. As vLLM sends them, an echoed prompt goes in front of its choice's
+    first delta, its tokens' logprobs in front of the output's; text offsets count from the start of the
+    choice's text, each token advancing them by its length."""
 
     def __init__(self, src: ChunkSource, fmt: LogprobFormatter, echo: bool = False) -> None:
         self._src = src
@@ -192,7 +201,8 @@ class CompletionEvents:
         self._echo = echo
         spec = src.spec
         self._usage: Usage | UnsetType | None = None if spec.include_usage else UNSET
-        self._offsets = dict.fromkeys(range(len(spec.prompt_lens) * spec.n), 0)
+        # The next text offset of each choice that has sent a delta.
+        self._offsets: dict[int, int] = {}
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | UnsetType | None = None) -> Completion:
         src = self._src
@@ -202,20 +212,31 @@ class CompletionEvents:
         )  # fmt: skip
 
     def opening(self) -> Iterator[msgspec.Struct]:
-        """Each choice's prompt, with `echo`."""
-        if not self._echo:
-            return
-        spec = self._src.spec
-        for c in self._offsets:
-            text = spec.prompt_texts[c // spec.n]
-            self._offsets[c] = len(text)
-            yield self._chunk([CompletionChoice(c, text)])
+        """Nothing: an echoed prompt goes with its choice's first delta."""
+        return iter(())
 
     def delta(self, d: ChoiceDelta) -> msgspec.Struct:
-        """Text with its logprobs."""
-        logprobs = self._fmt.completion(d.logprobs, self._offsets[d.choice]) if self._src.spec.logprobs else None
-        self._offsets[d.choice] += len(d.text)
-        return self._chunk([CompletionChoice(d.choice, d.text, logprobs, finish(d.finish_reason))])
+        """Text with its logprobs; a choice's first also carries its echoed prompt."""
+        spec = self._src.spec
+        text = d.text
+        entries: list[TokenLogprob | int] = list(d.logprobs)
+        offset = self._offsets.get(d.choice)
+        if offset is None:
+            offset = 0
+            if self._echo:
+                p = d.choice // spec.n
+                text = spec.prompt_texts[p] + text
+                if spec.logprobs:
+                    first = spec.first_tokens[p] if spec.first_tokens else 0
+                    entries = self._fmt.echoed(first, d.prompt_logprobs, spec.prompt_lens[p]) + entries
+        logprobs = None
+        if spec.logprobs:
+            logprobs = self._fmt.completion(entries, offset)
+            if logprobs.tokens:
+                # By the tokens shown, not the text (held back for stop strings, it lags them), as vLLM does.
+                offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+        self._offsets[d.choice] = offset
+        return self._chunk([CompletionChoice(d.choice, text, logprobs, finish(d.finish_reason))])
 
     def usage(self, usage: Usage) -> msgspec.Struct:
         """No choices, the usage."""
@@ -258,13 +279,21 @@ def chat_completion(done: Finished, fmt: LogprobFormatter) -> ChatCompletion:
 
 
 def text_completion(done: Finished, fmt: LogprobFormatter) -> Completion:
-    """The `text_completion` body of finished choices; `echo_texts` puts each prompt in front."""
+    """The `text_completion` body of finished choices; `echo_texts` puts each prompt (and, with logprobs, its
+    tokens' logprobs) in front."""
     choices = []
     for c, s in sorted(done.states.items()):
-        prefix = done.echo_texts[c // done.n] if done.echo_texts else ""
-        lps = fmt.completion(s.logprobs, len(prefix)) if done.logprobs else None
+        p = c // done.n
+        prefix = done.echo_texts[p] if done.echo_texts else ""
+        lps = None
+        if done.logprobs:
+            entries: list[TokenLogprob | int] = list(s.logprobs)
+            if done.echo_texts:
+                first = done.first_tokens[p] if done.first_tokens else 0
+                entries = fmt.echoed(first, s.prompt_logprobs, done.prompt_lens[p]) + entries
+            lps = fmt.completion(entries, 0)
         choice = CompletionChoice(c, prefix + "".join(s.text), lps, finish(s.finish_reason))
-        if s.prompt_logprobs is not None:
+        if s.prompt_logprobs is not None and done.show_prompt_logprobs:
             choice.prompt_logprobs = fmt.prompt(s.prompt_logprobs)
         choices.append(choice)
     usage = usage_of(done.prompt_lens, done.n, done.states)

@@ -86,6 +86,8 @@ class StreamSpec:
     include_usage: bool = False
     logprobs: bool = False
     prompt_texts: list[str] = field(default_factory=list)
+    # Each prompt's first token: an echoed prompt's logprobs start with it (nothing precedes it to score it).
+    first_tokens: list[int] = field(default_factory=list)
     continuous_usage: bool = False
     # Chat requests with tools: how the output becomes tool calls.
     tools: ToolCallMode | None = None

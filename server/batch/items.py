@@ -112,6 +112,8 @@ class ItemPreparer:
             n=prepared.n,
             logprobs=prepared.sampling.logprobs is not None,
             echo_texts=prepared.prompt_texts if echo else [],
+            first_tokens=[p[0] for p in prepared.prompts],
+            show_prompt_logprobs=prepared.show_prompt_logprobs,
             reply_topic=reply_topic,
             tools=prepared.tools,
         )

@@ -107,7 +107,7 @@ def build(meta: ItemMeta, item: ItemChunks, fmt: LogprobFormatter) -> ItemResult
     kind = BY_PATH[meta.endpoint]
     done = Finished(
         f"{kind.id_prefix}-{secrets.token_hex(12)}", int(time.time()), meta.model, states, meta.logprobs,
-        meta.prompt_lens, meta.n, meta.echo_texts or None, meta.tools,
+        meta.prompt_lens, meta.n, meta.echo_texts or None, meta.tools, meta.first_tokens, meta.show_prompt_logprobs,
     )  # fmt: skip
     body = kind.whole(done, fmt)
     usage = body.usage

@@ -120,6 +120,41 @@ async def test_prompt_logprobs_agree_with_the_sampled_tokens(vllm_stack: VllmSta
         assert last["rank"] == 1 and last["logprob"] == pytest.approx(said["token_logprobs"][0], abs=0.05)
 
 
+async def test_echo_logprobs_start_with_the_prompt(vllm_stack: VllmStack) -> None:
+    """lm-evaluation-harness's loglikelihood request: with echo, the prompt's tokens lead the logprobs."""
+    async with httpx.AsyncClient(base_url=vllm_stack.url, timeout=300) as c:
+        text = "The capital of France is"
+        ask = {"model": BASE, "prompt": text, "return_token_strs": True}
+        prompt = (await c.post("/tokenize", json=ask)).json()
+        n = len(prompt["tokens"])
+        body = {"model": BASE, "prompt": text, "max_tokens": 2, "temperature": 0, "logprobs": 1}
+        plain = (await c.post("/v1/completions", json=body)).json()["choices"][0]
+        r = await c.post("/v1/completions", json={**body, "echo": True})
+        assert r.status_code == 200, r.text + await vllm_stack.diagnose("vllm-1")
+        echoed = r.json()["choices"][0]
+        assert "prompt_logprobs" not in echoed and echoed["text"] == text + plain["text"]
+        lp = echoed["logprobs"]
+        detok = [
+            (await c.post("/detokenize", json={"tokens": [t]})).json()["prompt"] for t in prompt["tokens"]
+        ]
+        assert lp["tokens"][:n] == detok
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert all(x <= 0 for x in lp["token_logprobs"][1:n])
+        assert all(lp["top_logprobs"][i][lp["tokens"][i]] == lp["token_logprobs"][i] for i in range(1, n))
+        assert lp["tokens"][n:] == plain["logprobs"]["tokens"]
+        assert lp["token_logprobs"][n:] == pytest.approx(plain["logprobs"]["token_logprobs"], abs=0.05)
+        lengths = [len(t) for t in lp["tokens"]]
+        assert lp["text_offset"] == [sum(lengths[:i]) for i in range(len(lengths))]
+        # Streamed: the prompt and its logprobs come with the first delta.
+        chunks = []
+        async with c.stream("POST", "/v1/completions", json={**body, "echo": True, "stream": True}) as s:
+            async for line in s.aiter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line.removeprefix("data: "))["choices"][0])
+        assert chunks[0]["text"].startswith(text) and chunks[0]["logprobs"]["tokens"][:n] == detok
+        assert [t for ch in chunks for t in (ch["logprobs"] or {}).get("tokens", [])] == lp["tokens"]
+
+
 async def test_vllm_lora_paths_load_and_unload(vllm_stack: VllmStack, model_path: Path, tmp_path: Path) -> None:
     adapter = await asyncio.to_thread(make_adapter, model_path, tmp_path / "surface-lora")
     async with httpx.AsyncClient(base_url=vllm_stack.url, timeout=300) as c:
