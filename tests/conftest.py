@@ -2,17 +2,44 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import inspect
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
 
 from launch.services import start_broker, start_redis
 from tests.harness import Harness, harness
+
+# pytest-timeout's signal lands inside an event-loop callback, where asyncio logs the exception and goes on:
+# an async test that hangs would hang the whole run. Each one runs under an asyncio deadline of its own,
+# a little shorter, so a hang fails that test with the traceback of what it was waiting for.
+TIMEOUT_MARGIN_S = 20.0
+
+
+def _bounded(fn: Callable[..., Awaitable[Any]], limit_s: float) -> Callable[..., Awaitable[Any]]:
+    @functools.wraps(fn)
+    async def run(*args: Any, **kwargs: Any) -> Any:
+        async with asyncio.timeout(limit_s):
+            return await fn(*args, **kwargs)
+
+    return run
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put every async test under an asyncio deadline just inside pytest-timeout's."""
+    limit_s = float(config.getini("timeout")) - TIMEOUT_MARGIN_S
+    for item in items:
+        fn = getattr(item, "obj", None)
+        if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(fn):
+            item.obj = _bounded(fn, limit_s)
 
 
 @pytest.fixture(scope="session")
