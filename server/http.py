@@ -130,6 +130,7 @@ async def _end_tenant(request: Request, status: int) -> None:
         return
     count = getattr(request.state, "completion_tokens", None)
     lease.completion_tokens = count() if count is not None else 0
+    cached = getattr(request.state, "cached_tokens", None)
     metrics: FrontendMetrics = request.app.state.frontend.metrics
     metrics.tenant_tokens.labels(lease.tenant, "completion").inc(lease.completion_tokens)
     metrics.tenant_requests.labels(lease.tenant, "ok" if status < 400 else "error").inc()
@@ -143,6 +144,7 @@ async def _end_tenant(request: Request, status: int) -> None:
                 at=time.time(), tenant=lease.tenant, key_id=getattr(request.state, "key_id", ""),
                 model=getattr(request.state, "model", ""), errors=int(status >= 400),
                 prompt_tokens=lease.prompt_tokens, completion_tokens=lease.completion_tokens,
+                cached_tokens=cached() if cached is not None else 0,
             )
         )  # fmt: skip
     # Shielded: a cancelled request still gives its concurrency slot back.
