@@ -62,7 +62,9 @@ def create_app(settings: FrontendSettings) -> Starlette:
                     live = fe.pool.live(settings.served_model_name)
                     return room_of(live, fe.svc.router.available(live), settings.busy_waiting)
 
-                fair = FairQueue(tenants, room, fe.pool.wait_refreshed, settings.busy_wait_s)
+                fair = FairQueue(
+                    tenants, room, fe.pool.wait_refreshed, settings.busy_wait_s, settings.max_queued_requests
+                )
                 app.state.fair = await stack.enter_async_context(fair.running())
 
             def batch_workers() -> list[WorkerStatus]:

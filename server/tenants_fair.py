@@ -47,6 +47,7 @@ class FairQueue:
         room: Callable[[], int],
         wait_refreshed: Callable[[float], Awaitable[None]],
         max_wait_s: float,
+        max_queued: int = 256,
     ) -> None:
         self.tenants = dict(tenants)
         self.counters = dict.fromkeys(tenants, 0.0)
@@ -54,6 +55,7 @@ class FairQueue:
         self._room = room
         self._wait_refreshed = wait_refreshed
         self._max_wait_s = max_wait_s
+        self._max_queued = max_queued  # --max-queued-requests, as for requests waiting without tenants
         self._synced_at = -SHARED_S
 
     def queued(self) -> int:
@@ -79,6 +81,8 @@ class FairQueue:
         if not self.queued() and self._room() > 0:
             self.charge(tenant, cost)
             return
+        if self.queued() >= self._max_queued:
+            raise _busy()
         queue = self.waiting[tenant]
         if not queue:
             backlogged = [self.counters[t] for t, q in self.waiting.items() if q]
@@ -91,9 +95,7 @@ class FairQueue:
             async with asyncio.timeout(self._max_wait_s):
                 await asyncio.shield(waiter.turn)
         except TimeoutError:
-            raise APIError(
-                503, "Every worker is busy; try again shortly.", code="workers_busy", retry_after=1
-            ) from None
+            raise _busy() from None
         finally:
             if not waiter.turn.done():
                 waiter.turn.cancel()
@@ -139,6 +141,11 @@ class FairQueue:
 
         async with background(loop(), "tenant-fair-queue"):
             yield self
+
+
+def _busy() -> APIError:
+    # The plain path's answer (server/generation.py) when its wait is full or over.
+    return APIError(503, "Every worker is busy; try again shortly.", code="workers_busy", retry_after=1)
 
 
 def room_of(workers: list[WorkerStatus], available: list[WorkerStatus], busy_waiting: int) -> int:

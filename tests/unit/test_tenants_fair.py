@@ -94,6 +94,28 @@ async def test_waiting_too_long_is_503_and_leaves_the_queue() -> None:
     assert q.queued() == 0
 
 
+async def test_the_queue_is_bounded_by_max_queued_requests() -> None:
+    busy = Busy()
+    tenants = {"a": Tenant(api_keys=["a"]), "b": Tenant(api_keys=["b"])}
+    q = FairQueue(tenants, lambda: busy.room, busy.wait_refreshed, max_wait_s=5.0, max_queued=2)
+    waiting = [asyncio.create_task(q.wait_turn(t, 1)) for t in ("a", "b")]
+    await asyncio.sleep(0)
+    # Full: the next is refused at once, as the plain path refuses it, whichever tenant it is.
+    for tenant in ("a", "b"):
+        async with asyncio.timeout(1):
+            with pytest.raises(APIError) as info:
+                await q.wait_turn(tenant, 1)
+        assert info.value.status == 503 and info.value.code == "workers_busy"
+    assert q.queued() == 2
+    q.release(1)
+    await asyncio.sleep(0)
+    later = asyncio.create_task(q.wait_turn("a", 1))  # a place came free
+    await asyncio.sleep(0)
+    assert q.queued() == 2 and not later.done()
+    q.release(10)
+    await asyncio.gather(*waiting, later)
+
+
 def test_room_counts_what_available_workers_can_take() -> None:
     w = [WorkerStatus(f"w{i}", "m", "sim", 16, 100, 2048, 0.0, 0.0, waiting=i) for i in range(3)]
     assert room_of(w, w[:2], 0) == 2
