@@ -56,7 +56,7 @@ def create_app(settings: FrontendSettings) -> Starlette:
                 app.state.usage = await stack.enter_async_context(usage.running())
             fe = await stack.enter_async_context(start_frontend(settings, metrics))
             app.state.frontend = fe
-            if tenants:
+            if tenants and settings.tenants_fair:
 
                 def room() -> int:
                     live = fe.pool.live(settings.served_model_name)

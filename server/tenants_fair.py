@@ -2,10 +2,11 @@
 
 In the spirit of VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI '24): each tenant has
 a counter of the tokens it was served divided by its weight. While a worker has room, requests go straight
-through (and are charged). While every worker is busy, requests wait here; on each registry refresh (fresh
-load figures) as many as the workers have room for are let through, highest priority class first, then the
-tenant with the smallest counter. A tenant that starts waiting has its counter lifted to the smallest
-counter among those waiting, so idling does not bank credit. A flood from one tenant thus queues behind its
+through (and are charged), as many as the last refresh saw room for. While every worker is busy, requests
+wait here; on each registry refresh (fresh load figures) as many as the workers have room for are let
+through, highest priority class first, then the tenant with the smallest counter. A tenant that starts
+waiting has its counter lifted to the smallest among those waiting (what they were served: less what they
+have waiting here, which Redis charged on arrival), so idling does not bank credit. A flood from one tenant thus queues behind its
 own share instead of ahead of everyone.
 
 The counters are shared by every frontend through Redis: the quota script (server/tenants_quota.py) charges
@@ -57,15 +58,31 @@ class FairQueue:
         self._max_wait_s = max_wait_s
         self._max_queued = max_queued  # --max-queued-requests, as for requests waiting without tenants
         self._synced_at = -SHARED_S
+        # Requests let through since the last refresh: the room the refresh saw is theirs until load
+        # figures that count them arrive (a burst must not all go straight through on one stale figure).
+        self._spent = 0
 
     def queued(self) -> int:
         """Requests waiting for their turn."""
         return sum(len(q) for q in self.waiting.values())
 
+    def _shared(self) -> bool:
+        return time.monotonic() - self._synced_at < SHARED_S
+
     def charge(self, tenant: str, tokens: float) -> None:
         """Add served tokens to the tenant's virtual counter (scaled by its weight), unless Redis does."""
-        if time.monotonic() - self._synced_at >= SHARED_S:
+        if not self._shared():
             self.counters[tenant] += tokens / self.tenants[tenant].weight
+
+    def _served(self, tenant: str) -> float:
+        """The tenant's counter without its requests waiting here (Redis charges prompts on arrival)."""
+        if not self._shared():
+            return self.counters[tenant]
+        return self.counters[tenant] - sum(w.cost for w in self.waiting[tenant]) / self.tenants[tenant].weight
+
+    def room(self) -> int:
+        """Places free now: what the last refresh saw, less what went through since."""
+        return max(0, self._room() - self._spent)
 
     def sync(self, shared: Mapping[str, float]) -> None:
         """Take the counters every frontend charges in Redis (never lowering one this frontend lifted)."""
@@ -78,14 +95,15 @@ class FairQueue:
 
     async def wait_turn(self, tenant: str, cost: int) -> None:
         """Return when it is this request's turn (at once while workers have room and nobody waits)."""
-        if not self.queued() and self._room() > 0:
+        if not self.queued() and self.room() > 0:
+            self._spent += 1
             self.charge(tenant, cost)
             return
         if self.queued() >= self._max_queued:
             raise _busy()
         queue = self.waiting[tenant]
         if not queue:
-            backlogged = [self.counters[t] for t, q in self.waiting.items() if q]
+            backlogged = [self._served(t) for t, q in self.waiting.items() if q]
             if backlogged:
                 self.counters[tenant] = max(self.counters[tenant], min(backlogged))
         waiter = _Waiter(cost)
@@ -115,7 +133,7 @@ class FairQueue:
 
     def release(self, budget: int | None = None) -> int:
         """Let through as many waiting requests as there is room for, in fair order; how many went."""
-        room = self._room() if budget is None else budget
+        room = self.room() if budget is None else budget
         went = 0
         while went < room:
             tenant = self._next()
@@ -127,6 +145,7 @@ class FairQueue:
             waiter.turn.set_result(None)
             self.charge(tenant, waiter.cost)
             went += 1
+        self._spent += went
         return went
 
     @contextlib.asynccontextmanager
@@ -136,6 +155,7 @@ class FairQueue:
         async def loop() -> None:
             while True:
                 await self._wait_refreshed(1.0)
+                self._spent = 0
                 if self.queued():
                     self.release()
 

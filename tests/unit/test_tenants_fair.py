@@ -144,3 +144,40 @@ async def test_counters_synced_from_redis_order_the_queue_and_are_not_charged_tw
     assert q.counters["a"] == 500.0  # never lowered
     q.release(10)
     await asyncio.gather(*tasks)
+
+
+async def test_a_burst_takes_the_room_once_until_the_next_refresh() -> None:
+    busy = Busy()
+    busy.room = 2  # as the last refresh saw it: the burst's first two use it up
+    q = queue(busy, a=Tenant(api_keys=["a"]))
+    burst = [asyncio.create_task(q.wait_turn("a", 1)) for _ in range(5)]
+    await asyncio.sleep(0)
+    assert sum(t.done() for t in burst) == 2 and q.queued() == 3
+    q._spent = 0  # a refresh: the room is the workers' again
+    assert q.release() == 2
+    q.release(10)
+    await asyncio.gather(*burst)
+
+
+async def test_a_newcomer_goes_ahead_of_a_flood_charged_on_arrival_by_redis() -> None:
+    busy = Busy()
+    q = queue(busy, flood=Tenant(api_keys=["f"]), quiet=Tenant(api_keys=["q"]))
+    order: list[str] = []
+
+    async def one(tenant: str, shared: dict[str, float]) -> None:
+        q.sync(shared)  # what the quota script handed back at admission
+        await q.wait_turn(tenant, 10)
+        order.append(tenant)
+
+    # Redis charges each prompt as it arrives: 10 flood requests waiting, 100 tokens on its counter already.
+    tasks = [asyncio.create_task(one("flood", {"flood": 10.0 * (i + 1)})) for i in range(10)]
+    await asyncio.sleep(0)
+    tasks.append(asyncio.create_task(one("quiet", {"flood": 100.0, "quiet": 10.0})))
+    await asyncio.sleep(0)
+    q.release(1)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    # Lifted to what the flood was served (0), not to what it asked for: the quiet tenant goes first.
+    assert order == ["quiet"]
+    q.release(100)
+    await asyncio.gather(*tasks)
