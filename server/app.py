@@ -24,7 +24,7 @@ from server.openapi import document_bytes
 from server.tenants import configured_tenants
 from server.tenants_fair import FairQueue, room_of
 from server.tenants_quota import QuotaGate
-from server.tenants_usage import UsagePublisher
+from server.tenants_usage import UsagePublisher, batch_charger
 
 log = logging.getLogger("ferry.frontend")
 
@@ -70,7 +70,8 @@ def create_app(settings: FrontendSettings) -> Starlette:
             def batch_workers() -> list[WorkerStatus]:
                 return fe.pool.live(settings.served_model_name)
 
-            await stack.enter_async_context(batch.running(fe.pre, fe.fmt, batch_workers))
+            charge = batch_charger(app.state.usage, app.state.quota, metrics) if tenants else None
+            await stack.enter_async_context(batch.running(fe.pre, fe.fmt, batch_workers, charge))
             yield
 
     app = Starlette(
