@@ -121,6 +121,7 @@ async def admit_tenant(request: Request, prompt_tokens: int) -> dict[str, str]:
     if fair is not None:
         fair.sync(lease.counters)
         await fair.wait_turn(tenant, prompt_tokens)  # while workers are busy: in weighted-fair order
+        request.state.fair_turn = True
     return lease.headers
 
 
@@ -137,6 +138,8 @@ async def _end_tenant(request: Request, status: int) -> None:
     fair: FairQueue | None = getattr(request.app.state, "fair", None)
     if fair is not None:
         fair.charge(lease.tenant, lease.completion_tokens)
+        if getattr(request.state, "fair_turn", False):
+            fair.done()
     usage: UsagePublisher | None = getattr(request.app.state, "usage", None)
     if usage is not None:
         usage.publish(

@@ -2,7 +2,7 @@
 
 In the spirit of VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI '24): each tenant has
 a counter of the tokens it was served divided by its weight. While a worker has room, requests go straight
-through (and are charged), as many as the last refresh saw room for. While every worker is busy, requests
+through (and are charged), as many as the last refresh saw room for, plus one for each that ended since. While every worker is busy, requests
 wait here; on each registry refresh (fresh load figures) as many as the workers have room for are let
 through, highest priority class first, then the tenant with the smallest counter. A tenant that starts
 waiting has its counter lifted to the smallest among those waiting (what they were served: less what they
@@ -58,8 +58,9 @@ class FairQueue:
         self._max_wait_s = max_wait_s
         self._max_queued = max_queued  # --max-queued-requests, as for requests waiting without tenants
         self._synced_at = -SHARED_S
-        # Requests let through since the last refresh: the room the refresh saw is theirs until load
-        # figures that count them arrive (a burst must not all go straight through on one stale figure).
+        # Requests let through since the last refresh, less those that ended: the room the refresh saw is
+        # theirs until load figures that count them arrive (a burst must not all go straight through on one
+        # stale figure), and a request that ends gives its place to the next at once (not at the refresh).
         self._spent = 0
 
     def queued(self) -> int:
@@ -119,6 +120,12 @@ class FairQueue:
                 waiter.turn.cancel()
                 with contextlib.suppress(ValueError):
                     queue.remove(waiter)
+
+    def done(self) -> None:
+        """A request that had its turn ended: its place goes to the next waiting one."""
+        self._spent -= 1
+        if self.queued():
+            self.release()
 
     def _next(self) -> str | None:
         """The tenant whose request goes next: highest priority class, then smallest counter."""
