@@ -63,8 +63,10 @@ def create_app(settings: FrontendSettings) -> Starlette:
                     return room_of(live, fe.svc.router.available(live), settings.busy_waiting)
 
                 fair = FairQueue(
-                    tenants, room, fe.pool.wait_refreshed, settings.busy_wait_s, settings.max_queued_requests
-                )
+                    tenants, room, fe.pool.wait_refreshed, settings.busy_wait_s, settings.max_queued_requests,
+                    lambda tenant, n: metrics.tenant_queued.labels(tenant).set(n),
+                    settle_s=2 * settings.heartbeat_interval_s,
+                )  # fmt: skip
                 app.state.fair = await stack.enter_async_context(fair.running())
 
             def batch_workers() -> list[WorkerStatus]:

@@ -49,6 +49,8 @@ class FairQueue:
         wait_refreshed: Callable[[float], Awaitable[None]],
         max_wait_s: float,
         max_queued: int = 256,
+        on_queued: Callable[[str, int], None] = lambda tenant, n: None,
+        settle_s: float = 0.0,
     ) -> None:
         self.tenants = dict(tenants)
         self.counters = dict.fromkeys(tenants, 0.0)
@@ -57,11 +59,16 @@ class FairQueue:
         self._wait_refreshed = wait_refreshed
         self._max_wait_s = max_wait_s
         self._max_queued = max_queued  # --max-queued-requests, as for requests waiting without tenants
+        self._on_queued = on_queued  # a tenant's number of waiting requests changed (a gauge)
         self._synced_at = -SHARED_S
         # Requests let through since the last refresh, less those that ended: the room the refresh saw is
         # theirs until load figures that count them arrive (a burst must not all go straight through on one
         # stale figure), and a request that ends gives its place to the next at once (not at the refresh).
         self._spent = 0
+        # How old load figures must be before they count what was let through (heartbeat lag): the count
+        # above starts again only this long after it last did, or the same requests are given room twice.
+        self._settle_s = settle_s
+        self._settled_at = 0.0
 
     def queued(self) -> int:
         """Requests waiting for their turn."""
@@ -109,6 +116,7 @@ class FairQueue:
                 self.counters[tenant] = max(self.counters[tenant], min(backlogged))
         waiter = _Waiter(cost)
         queue.append(waiter)
+        self._on_queued(tenant, len(queue))
         self.release()
         try:
             async with asyncio.timeout(self._max_wait_s):
@@ -120,6 +128,7 @@ class FairQueue:
                 waiter.turn.cancel()
                 with contextlib.suppress(ValueError):
                     queue.remove(waiter)
+                self._on_queued(tenant, len(queue))
 
     def done(self) -> None:
         """A request that had its turn ended: its place goes to the next waiting one."""
@@ -147,6 +156,7 @@ class FairQueue:
             if tenant is None:
                 break
             waiter = self.waiting[tenant].popleft()
+            self._on_queued(tenant, len(self.waiting[tenant]))
             if waiter.turn.done():
                 continue  # its client gave up
             waiter.turn.set_result(None)
@@ -162,7 +172,9 @@ class FairQueue:
         async def loop() -> None:
             while True:
                 await self._wait_refreshed(1.0)
-                self._spent = 0
+                if time.monotonic() - self._settled_at >= self._settle_s:
+                    self._spent = 0
+                    self._settled_at = time.monotonic()
                 if self.queued():
                     self.release()
 

@@ -87,13 +87,16 @@ async def one(client: httpx.AsyncClient, tenant: str, rng: random.Random, max_to
 async def traffic(
     url: str, rates: dict[str, float], seconds: float, max_tokens: int, seed: int
 ) -> list[Result]:
-    """Open-loop Poisson arrivals of each tenant at its rate for `seconds`; every request awaited (bounded)."""
-    rng = random.Random(seed)
+    """Open-loop Poisson arrivals of each tenant at its rate for `seconds`; every request awaited (bounded).
+
+    Each tenant draws from a generator of its own: the quiet tenant sends the same schedule in every phase.
+    """
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
     async with httpx.AsyncClient(base_url=url, timeout=90, limits=limits) as client:
         tasks: list[asyncio.Task[Result]] = []
 
         async def arrivals(tenant: str, rate: float) -> None:
+            rng = random.Random(f"{seed}-{tenant}")
             end = time.perf_counter() + seconds
             while True:
                 await asyncio.sleep(rng.expovariate(rate))
@@ -183,8 +186,8 @@ async def stack_phases(
     try:
         since = time.time() - 1
         everything: list[Result] = []
-        for i, (name, rates) in enumerate(phases):
-            results = await traffic(stack.url, rates, args.phase_s, args.max_tokens, args.seed + i)
+        for name, rates in phases:
+            results = await traffic(stack.url, rates, args.phase_s, args.max_tokens, args.seed)
             everything += results
             out[name] = summary(results)
             print(f"{name}: {json.dumps(out[name])}", flush=True)
@@ -234,7 +237,7 @@ def main() -> None:
     p.add_argument("--busy-wait-s", type=float, default=30.0, help="longest wait for a worker before 503")
     p.add_argument("--quiet-rps", type=float, default=1.0)
     p.add_argument("--flood-factor", type=float, default=10.0)
-    p.add_argument("--flood-rpm", type=int, default=360, help="the flood's requests-per-minute quota")
+    p.add_argument("--flood-rpm", type=int, default=240, help="the flood's requests-per-minute quota")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--phase-s", type=float, default=30.0, help="seconds of traffic per phase (3 phases)")
     p.add_argument("--seed", type=int, default=1)
