@@ -1,7 +1,7 @@
 """Fair sharing between tenants: a quiet tenant's TTFT while another floods at 10× its rate.
 
 `python -m bench.tenants` starts `ferry up` on sim workers with a tenants file (`quiet` and `flood`, equal
-weights; `flood` has a requests-per-minute quota below what it sends) and runs three phases of open-loop
+weights; `flood` has a `max_concurrent` quota below what it keeps in flight) and runs three phases of open-loop
 (Poisson) streamed chat traffic on 127.0.0.1, side by side in one run:
 
 - `alone`: the quiet tenant only;
