@@ -153,9 +153,13 @@ def response_usage(results: list[Result]) -> dict[str, dict[str, int]]:
     return out
 
 
-async def ferry_usage(kafka: str, since: float) -> dict[str, dict[str, int]]:
+async def ferry_usage(kafka: str, since: float | str) -> dict[str, dict[str, int]]:
     """`ferry usage --since <start> --csv` on the stack's broker, parsed."""
-    iso = dt.datetime.fromtimestamp(since, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    iso = (
+        since
+        if isinstance(since, str)
+        else dt.datetime.fromtimestamp(since, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    )
     cmd = [sys.executable, "-m", "launch", "usage", "--kafka", kafka, "--since", iso, "--csv"]
     proc = await asyncio.to_thread(
         subprocess.run,
@@ -202,6 +206,8 @@ async def stack_phases(
             await asyncio.sleep(2)
         out["usage_" + ("fair" if fair else "unfair")] = {
             "ferry_usage": published, "responses": seen, "equal": equal,
+            # The stack's broker is its own: everything on its usage topic, without --since's seek by time.
+            "ferry_usage_whole_topic": await ferry_usage(stack.kafka, "1d"),
             "seconds_until_equal": round(time.perf_counter() - ended, 1) if equal else None,
         }  # fmt: skip
     finally:
