@@ -208,6 +208,8 @@ async def stack_phases(
             "ferry_usage": published, "responses": seen, "equal": equal,
             # The stack's broker is its own: everything on its usage topic, without --since's seek by time.
             "ferry_usage_whole_topic": await ferry_usage(stack.kafka, "1d"),
+            # Warnings and errors of the stack (its last 50 lines of output): a usage record not sent says so.
+            "stack_warnings": [line for line in stack.child.tail if "WARNING" in line or "ERROR" in line],
             "seconds_until_equal": round(time.perf_counter() - ended, 1) if equal else None,
         }  # fmt: skip
     finally:
