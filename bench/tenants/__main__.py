@@ -259,6 +259,7 @@ def main() -> None:
     if args.phase_s > 45:
         p.error("--phase-s at most 45 (a run stays under 3 minutes)")
     started = time.time()
+    load = [round(x, 1) for x in os.getloadavg()]
     result = asyncio.run(run(args))
     commit = subprocess.run(
         ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
@@ -268,6 +269,8 @@ def main() -> None:
         "commit": commit,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus (shared)",
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "load_average_at_start": load,
+        "command": "python -m bench.tenants " + " ".join(sys.argv[1:]),
         "wall_s": round(time.time() - started, 1),
         **result,
     }
