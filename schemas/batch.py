@@ -224,6 +224,9 @@ class ItemMeta(msgspec.Struct, kw_only=True, omit_defaults=True):
     reply_topic: str = ""
     # Chat requests with tools: how the output becomes tool calls.
     tools: ToolCallMode | None = None
+    # The tenant whose key created the batch, and the key's id: the item's usage is theirs (docs/tenants.md).
+    tenant: str = ""
+    key_id: str = ""
 
 
 file_object_decoder: msgspec.msgpack.Decoder[FileObject] = msgspec.msgpack.Decoder(FileObject)

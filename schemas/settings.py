@@ -278,6 +278,13 @@ class FrontendSettings(CommonSettings, RouterSettings, BatchSettings):
             "metric ferry_tenant_quota_unchecked); --no-tenants-fail-open refuses them with 503 instead"
         ),
     )
+    tenants_fair: bool = dataclasses.field(
+        default=True,
+        metadata=_help(
+            "while every worker is busy, admit tenants' requests in weighted-fair order (docs/tenants.md); "
+            "--no-tenants-fair admits them in arrival order, as without tenants (for comparison)"
+        ),
+    )
     chat_template: str = dataclasses.field(
         default="",
         metadata=_help(

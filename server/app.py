@@ -24,7 +24,7 @@ from server.openapi import document_bytes
 from server.tenants import configured_tenants
 from server.tenants_fair import FairQueue, room_of
 from server.tenants_quota import QuotaGate
-from server.tenants_usage import UsagePublisher
+from server.tenants_usage import UsagePublisher, batch_charger
 
 log = logging.getLogger("ferry.frontend")
 
@@ -56,19 +56,24 @@ def create_app(settings: FrontendSettings) -> Starlette:
                 app.state.usage = await stack.enter_async_context(usage.running())
             fe = await stack.enter_async_context(start_frontend(settings, metrics))
             app.state.frontend = fe
-            if tenants:
+            if tenants and settings.tenants_fair:
 
                 def room() -> int:
                     live = fe.pool.live(settings.served_model_name)
                     return room_of(live, fe.svc.router.available(live), settings.busy_waiting)
 
-                fair = FairQueue(tenants, room, fe.pool.wait_refreshed, settings.busy_wait_s)
+                fair = FairQueue(
+                    tenants, room, fe.pool.wait_refreshed, settings.busy_wait_s, settings.max_queued_requests,
+                    lambda tenant, n: metrics.tenant_queued.labels(tenant).set(n),
+                    settle_s=2 * settings.heartbeat_interval_s,
+                )  # fmt: skip
                 app.state.fair = await stack.enter_async_context(fair.running())
 
             def batch_workers() -> list[WorkerStatus]:
                 return fe.pool.live(settings.served_model_name)
 
-            await stack.enter_async_context(batch.running(fe.pre, fe.fmt, batch_workers))
+            charge = batch_charger(app.state.usage, app.state.quota, metrics) if tenants else None
+            await stack.enter_async_context(batch.running(fe.pre, fe.fmt, batch_workers, charge))
             yield
 
     app = Starlette(

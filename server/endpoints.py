@@ -75,6 +75,7 @@ async def _generate(kind: Kind, fe: Frontend, request: Request) -> Response:
     resumable = _wants_resumable(request) and prepared.stream
     gen = Generation(fe.svc, req.model, prepared, new_id(kind.id_prefix), resumable, request.state.arrived)
     request.state.completion_tokens = lambda: sum(len(s.token_ids) for s in gen.stream.sequences.values())
+    request.state.cached_tokens = lambda: sum(gen.cached_by_prompt.values())
     await gen.start()
     echo = kind.echo(req)
     if prepared.stream:

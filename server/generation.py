@@ -25,6 +25,7 @@ from server.streams import ClientStream, Sequence, StreamSpec
 
 log = logging.getLogger("ferry.frontend")
 
+
 @dataclass
 class Services:
     """What a generation needs from the running frontend."""
@@ -88,6 +89,9 @@ class Generation:
         self.first_token_at: float | None = None
         self._last_token_at = 0.0
         self.predicted_cached_blocks = 0
+        # Cached prompt tokens by prompt, from the final usages (a prompt's most among its choices, as the
+        # response's usage counts them): the tenant's usage record carries their sum.
+        self.cached_by_prompt: dict[int, int] = {}
         # Where this request's chunks arrive (set by start): its replies topic, and an offset at or before
         # the first of them (for a resume record).
         self.reply_topic = ""
@@ -281,6 +285,8 @@ class Generation:
             m.decode.observe(u.decode_s)
         m.prompt_len.observe(u.prompt_tokens)
         m.completion_len.observe(u.completion_tokens)
+        known = self.cached_by_prompt.get(seq.prompt_index, 0)
+        self.cached_by_prompt[seq.prompt_index] = max(known, u.cached_tokens)
 
     def _release(self, seq: Sequence) -> None:
         if seq in self._submitted:

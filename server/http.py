@@ -121,6 +121,7 @@ async def admit_tenant(request: Request, prompt_tokens: int) -> dict[str, str]:
     if fair is not None:
         fair.sync(lease.counters)
         await fair.wait_turn(tenant, prompt_tokens)  # while workers are busy: in weighted-fair order
+        request.state.fair_turn = True
     return lease.headers
 
 
@@ -130,12 +131,15 @@ async def _end_tenant(request: Request, status: int) -> None:
         return
     count = getattr(request.state, "completion_tokens", None)
     lease.completion_tokens = count() if count is not None else 0
+    cached = getattr(request.state, "cached_tokens", None)
     metrics: FrontendMetrics = request.app.state.frontend.metrics
     metrics.tenant_tokens.labels(lease.tenant, "completion").inc(lease.completion_tokens)
     metrics.tenant_requests.labels(lease.tenant, "ok" if status < 400 else "error").inc()
     fair: FairQueue | None = getattr(request.app.state, "fair", None)
     if fair is not None:
         fair.charge(lease.tenant, lease.completion_tokens)
+        if getattr(request.state, "fair_turn", False):
+            fair.done()
     usage: UsagePublisher | None = getattr(request.app.state, "usage", None)
     if usage is not None:
         usage.publish(
@@ -143,6 +147,7 @@ async def _end_tenant(request: Request, status: int) -> None:
                 at=time.time(), tenant=lease.tenant, key_id=getattr(request.state, "key_id", ""),
                 model=getattr(request.state, "model", ""), errors=int(status >= 400),
                 prompt_tokens=lease.prompt_tokens, completion_tokens=lease.completion_tokens,
+                cached_tokens=cached() if cached is not None else 0,
             )
         )  # fmt: skip
     # Shielded: a cancelled request still gives its concurrency slot back.

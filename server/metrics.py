@@ -181,6 +181,10 @@ class FrontendMetrics:
             "ferry_tenant_inflight", "A tenant's admitted requests in progress on this frontend", ["tenant"],
             registry=r,
         )  # fmt: skip
+        self.tenant_queued = Gauge(
+            "ferry_tenant_queued", "A tenant's requests waiting for their weighted-fair turn on this frontend",
+            ["tenant"], registry=r,
+        )  # fmt: skip
         self.tenant_quota_unchecked = Counter(
             "ferry_tenant_quota_unchecked", "A tenant's requests admitted without a quota check (Redis down)",
             ["tenant"], registry=r,

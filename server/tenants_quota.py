@@ -282,6 +282,22 @@ class QuotaGate:
             log.warning("could not release a lease of tenant %s (%r); it expires in %.0f s", lease.tenant, exc,
                         LEASE_TTL_S)  # fmt: skip
 
+    async def charge(self, tenant: str, tokens: int) -> None:
+        """Charge tokens served outside a lease (a batch item) to the tenant's minute and virtual counter."""
+        if tokens <= 0:
+            return
+        try:
+            async with asyncio.timeout(REDIS_TIMEOUT_S):
+                args: list[str | int] = [
+                    "",
+                    tokens,
+                    repr(tokens / self.tenants[tenant].weight),
+                    tenant,
+                ]  # no lease
+                await self._release(keys=[self._key(tenant), self._counters_key], args=args)
+        except Exception as exc:
+            log.warning("could not charge %d tokens to tenant %s (%r)", tokens, tenant, exc)
+
     async def refresh(self) -> None:
         """Extend the leases of this frontend's running requests (one script call per tenant)."""
         by_tenant: dict[str, list[str]] = {}

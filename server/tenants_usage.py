@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from aiokafka import AIOKafkaProducer
@@ -18,6 +18,7 @@ from bus.topics import ensure_topics
 from schemas.names import usage_topic
 from schemas.tenants import UsageRecord
 from server.metrics import FrontendMetrics
+from server.tenants_quota import QuotaGate
 
 log = logging.getLogger("ferry.tenants")
 _encoder = msgspec.json.Encoder()
@@ -59,3 +60,24 @@ class UsagePublisher:
             if self._pending:
                 await asyncio.wait(list(self._pending), timeout=5)
             await self._producer.stop()
+
+
+def batch_charger(
+    usage: UsagePublisher, quota: QuotaGate, metrics: FrontendMetrics
+) -> Callable[[UsageRecord], Awaitable[None]]:
+    """What a finished item of a tenant's batch does: its usage record, metrics, and its tokens charged to
+    the tenant's tokens per minute and fair-share counter (never refused: the batch was accepted already)."""
+
+    async def charge(record: UsageRecord) -> None:
+        if record.tenant not in quota.tenants:
+            log.warning(
+                "batch usage of tenant %s, not in this frontend's tenants file: dropped", record.tenant
+            )
+            return
+        usage.publish(record)
+        metrics.tenant_tokens.labels(record.tenant, "prompt").inc(record.prompt_tokens)
+        metrics.tenant_tokens.labels(record.tenant, "completion").inc(record.completion_tokens)
+        metrics.tenant_requests.labels(record.tenant, "error" if record.errors else "ok").inc()
+        await quota.charge(record.tenant, record.prompt_tokens + record.completion_tokens)
+
+    return charge

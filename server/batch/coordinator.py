@@ -246,6 +246,9 @@ class BatchCoordinator:
             metas[index] = p.meta
         total = len(parsed.lines)
         if batch.status == "validating":
+            tenant, key_id = await self.store.fields(batch_id, "tenant", "key_id")
+            for m in metas.values():
+                m.tenant, m.key_id = tenant or "", key_id or ""
             await self.store.put_items(batch_id, metas)
             await self.store.set_fields(batch_id, {"total": total})
             for index, line_bytes in refused.items():

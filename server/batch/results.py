@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiokafka import AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
@@ -25,8 +25,9 @@ from kvstore.batch_store import BatchStore
 from schemas.batch import ItemMeta
 from schemas.kafka import Chunk, ReplyMessage, chunks_of, reply_decoder
 from schemas.names import batch_results_group, batch_results_topic
+from schemas.tenants import UsageRecord
 from server.batch.items import response_line, split_item_id, split_sequence_id, unrun_line
-from server.batch.lines import ItemChunks, build, sequences_of
+from server.batch.lines import ItemChunks, ItemResult, build, sequences_of
 from server.logprobs import LogprobFormatter
 
 log = logging.getLogger("ferry.batch")
@@ -63,6 +64,7 @@ class ResultCollector:
         producer: AIOKafkaProducer,
         fetch_wait_ms: int,
         on_complete: Callable[[str], None],
+        on_usage: Callable[[UsageRecord], Awaitable[None]] | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.topic = batch_results_topic(model)
@@ -72,6 +74,7 @@ class ResultCollector:
         self.producer = producer
         self.fetch_wait_ms = fetch_wait_ms
         self.on_complete = on_complete
+        self.on_usage = on_usage  # a tenant's item was recorded (once): its usage (server/tenants_usage.py)
         self._open: dict[str, ItemChunks] = {}
         self._metas: dict[str, ItemMeta] = {}
         self._foreign: OrderedDict[str, None] = OrderedDict()
@@ -196,6 +199,8 @@ class ResultCollector:
             )
             if res >= 0:
                 self.lines_recorded += 1
+                if meta.tenant and self.on_usage is not None:
+                    await self.on_usage(_usage(meta, result))
             if res == 1:
                 self.on_complete(split[0])
         elif meta.reply_topic and await self.store.claim_item(item, 7 * 24 * 3600):
@@ -242,3 +247,12 @@ class ResultCollector:
             elif split is None and now - state.seen_at > _STALE_S * 60:
                 self._open.pop(item, None)
                 self._metas.pop(item, None)
+
+
+def _usage(meta: ItemMeta, result: ItemResult) -> UsageRecord:
+    """One batch item's usage for its tenant: a failed item is charged its prompt, an aborted one nothing."""
+    prompt = result.input_tokens if result.ok else 0 if result.aborted else sum(meta.prompt_lens)
+    return UsageRecord(
+        at=time.time(), tenant=meta.tenant, key_id=meta.key_id, model=meta.model, errors=int(not result.ok),
+        prompt_tokens=prompt, cached_tokens=result.cached_tokens, completion_tokens=result.output_tokens,
+    )  # fmt: skip

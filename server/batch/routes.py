@@ -194,6 +194,10 @@ async def create_batch(svc: BatchService, co: BatchCoordinator, request: Request
         model=svc.settings.served_model_name,
         metadata=req.metadata,
     )
+    tenant = getattr(request.state, "tenant", None)
+    if tenant is not None:
+        # Before the batch is visible: whichever frontend submits it charges its items to this tenant.
+        await svc.store.set_fields(batch.id, {"tenant": tenant, "key_id": request.state.key_id})
     await svc.store.create_batch(batch)
     co.kick()
     stored = await svc.store.get_batch(batch.id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
@@ -14,6 +14,7 @@ from kvstore.batch_store import BatchStore
 from schemas.names import RedisKeys, batch_results_topic, batch_submit_topic, pool_topic
 from schemas.settings import FrontendSettings
 from schemas.status import WorkerStatus
+from schemas.tenants import UsageRecord
 from server.batch.coordinator import BatchCoordinator
 from server.batch.intake import KafkaIntake
 from server.batch.results import ResultCollector
@@ -36,9 +37,16 @@ class BatchService:
 
     @contextlib.asynccontextmanager
     async def running(
-        self, pre: Preprocessor, fmt: LogprobFormatter, live: Callable[[], list[WorkerStatus]]
+        self,
+        pre: Preprocessor,
+        fmt: LogprobFormatter,
+        live: Callable[[], list[WorkerStatus]],
+        on_usage: Callable[[UsageRecord], Awaitable[None]] | None = None,
     ) -> AsyncIterator[None]:
-        """Run the coordinator, the results consumer and (unless switched off) the Kafka intake."""
+        """Run the coordinator, the results consumer and (unless switched off) the Kafka intake.
+
+        `on_usage` gets the usage of each finished item of a tenant's batch (tenants' usage and quotas).
+        """
         s = self.settings
         model = s.served_model_name
         # Batch traffic does not need the interactive path's few-millisecond fetches; idle polling costs CPU.
@@ -68,6 +76,7 @@ class BatchService:
                 producer,
                 fetch_wait_ms,
                 lambda _b: coordinator.kick(),
+                on_usage,
             )
             await self.collector.start()
             stack.push_async_callback(self.collector.stop)

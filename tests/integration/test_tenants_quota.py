@@ -258,16 +258,21 @@ async def test_usage_topic_totals_equal_the_responses(
 ) -> None:
     _h, urls = two_frontends
     since = time.time() - 1
-    prompt = completion = 0
+    prompt = completion = cached = 0
+    # One long prompt, repeated: the sim worker serves the repeats' prefix from its cache.
+    long = " ".join(f"word{i}" for i in range(120))
     async with httpx.AsyncClient(timeout=30) as c:
         for i in range(4):
             r = await c.post(
-                urls[i % 2] + CHAT, json=chat(f"Count {i}"), headers=bearer(f"key-meter-{i % 2 + 1}")
+                urls[i % 2] + CHAT, json=chat(f"{long} Count"), headers=bearer(f"key-meter-{i % 2 + 1}")
             )
             assert r.status_code == 200, r.text
-            prompt += r.json()["usage"]["prompt_tokens"]
-            completion += r.json()["usage"]["completion_tokens"]
-    expected = {"requests": 4, "errors": 0, "prompt_tokens": prompt, "cached_tokens": 0,
+            usage = r.json()["usage"]
+            prompt += usage["prompt_tokens"]
+            completion += usage["completion_tokens"]
+            cached += usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0
+    expected = {"requests": 4, "errors": 0, "prompt_tokens": prompt, "cached_tokens": cached,
                 "completion_tokens": completion}  # fmt: skip
 
     async def published() -> bool:

@@ -94,6 +94,28 @@ async def test_waiting_too_long_is_503_and_leaves_the_queue() -> None:
     assert q.queued() == 0
 
 
+async def test_the_queue_is_bounded_by_max_queued_requests() -> None:
+    busy = Busy()
+    tenants = {"a": Tenant(api_keys=["a"]), "b": Tenant(api_keys=["b"])}
+    q = FairQueue(tenants, lambda: busy.room, busy.wait_refreshed, max_wait_s=5.0, max_queued=2)
+    waiting = [asyncio.create_task(q.wait_turn(t, 1)) for t in ("a", "b")]
+    await asyncio.sleep(0)
+    # Full: the next is refused at once, as the plain path refuses it, whichever tenant it is.
+    for tenant in ("a", "b"):
+        async with asyncio.timeout(1):
+            with pytest.raises(APIError) as info:
+                await q.wait_turn(tenant, 1)
+        assert info.value.status == 503 and info.value.code == "workers_busy"
+    assert q.queued() == 2
+    q.release(1)
+    await asyncio.sleep(0)
+    later = asyncio.create_task(q.wait_turn("a", 1))  # a place came free
+    await asyncio.sleep(0)
+    assert q.queued() == 2 and not later.done()
+    q.release(10)
+    await asyncio.gather(*waiting, later)
+
+
 def test_room_counts_what_available_workers_can_take() -> None:
     w = [WorkerStatus(f"w{i}", "m", "sim", 16, 100, 2048, 0.0, 0.0, waiting=i) for i in range(3)]
     assert room_of(w, w[:2], 0) == 2
@@ -122,3 +144,54 @@ async def test_counters_synced_from_redis_order_the_queue_and_are_not_charged_tw
     assert q.counters["a"] == 500.0  # never lowered
     q.release(10)
     await asyncio.gather(*tasks)
+
+
+async def test_a_burst_takes_the_room_once_until_the_next_refresh() -> None:
+    busy = Busy()
+    busy.room = 2  # as the last refresh saw it: the burst's first two use it up
+    q = queue(busy, a=Tenant(api_keys=["a"]))
+    burst = [asyncio.create_task(q.wait_turn("a", 1)) for _ in range(5)]
+    await asyncio.sleep(0)
+    assert sum(t.done() for t in burst) == 2 and q.queued() == 3
+    q._spent = 0  # a refresh: the room is the workers' again
+    assert q.release() == 2
+    q.release(10)
+    await asyncio.gather(*burst)
+
+
+async def test_a_newcomer_goes_ahead_of_a_flood_charged_on_arrival_by_redis() -> None:
+    busy = Busy()
+    q = queue(busy, flood=Tenant(api_keys=["f"]), quiet=Tenant(api_keys=["q"]))
+    order: list[str] = []
+
+    async def one(tenant: str, shared: dict[str, float]) -> None:
+        q.sync(shared)  # what the quota script handed back at admission
+        await q.wait_turn(tenant, 10)
+        order.append(tenant)
+
+    # Redis charges each prompt as it arrives: 10 flood requests waiting, 100 tokens on its counter already.
+    tasks = [asyncio.create_task(one("flood", {"flood": 10.0 * (i + 1)})) for i in range(10)]
+    await asyncio.sleep(0)
+    tasks.append(asyncio.create_task(one("quiet", {"flood": 100.0, "quiet": 10.0})))
+    await asyncio.sleep(0)
+    q.release(1)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    # Lifted to what the flood was served (0), not to what it asked for: the quiet tenant goes first.
+    assert order == ["quiet"]
+    q.release(100)
+    await asyncio.gather(*tasks)
+
+
+async def test_a_request_that_ends_gives_its_place_to_the_next_at_once() -> None:
+    busy = Busy()
+    busy.room = 1
+    q = queue(busy, a=Tenant(api_keys=["a"]), b=Tenant(api_keys=["b"]))
+    await q.wait_turn("a", 1)  # takes the one place the last refresh saw
+    waiting = asyncio.create_task(q.wait_turn("b", 1))
+    await asyncio.sleep(0)
+    assert q.queued() == 1
+    q.done()  # no refresh: the ended request's place is the waiting one's
+    async with asyncio.timeout(1):
+        await waiting
+    assert q.queued() == 0
