@@ -7,6 +7,11 @@ log the broker lost (`LogResetWatch`, when asked), decodes every record with the
 consumer through `stop_consumer`. A loop that dies unexpectedly is logged and reported to the failure hook,
 which fails whoever waits on the reader. Whatever else a reader needs (re-assigning partitions, pausing,
 commits, a rebalance listener, point lookups) is an option, a hook or a method here, not a loop of its own.
+
+The loop hands on each partition's records without holes: when a fetch skips records (docs/architecture.md,
+broker quirk "fetch skips a batch"), it hands on what came before the hole and reads again from it.
+Whoever moves the consumer does it through the Reader (`assign`, `seek`, `rewind_to_committed`), so that
+the loop does not take the move for a hole.
 """
 
 from __future__ import annotations
@@ -33,6 +38,11 @@ T_co = TypeVar("T_co", covariant=True)
 
 # How long one fetch of a point lookup waits before the lookup looks at the log's end.
 LOOKUP_POLL_MS = 500
+
+# How often the loop reads a hole in a partition's records again before it reads on past it: a broker
+# that skipped a batch returns it the next time (broker quirk "fetch skips a batch"); on Apache Kafka,
+# compaction and transaction markers make holes that stay, and a reader must never stall on one.
+GAP_TRIES = 3
 
 
 class Decoder(Protocol[T_co]):
@@ -190,6 +200,13 @@ class Reader(Generic[T]):
         # A reader without a loop serves point lookups, one at a time (each re-assigns the consumer).
         self._lookup = asyncio.Lock()
         self.failed: BaseException | None = None
+        # Per partition, the offset after the last record handed on; a fetch starting past it, or with a hole
+        # inside, skipped records (see `_whole`). Forgotten wherever the consumer is moved.
+        self._next: dict[TopicPartition, int] = {}
+        # Per partition with a hole being read again: the hole's first offset and how often it was read.
+        self._holes: dict[TopicPartition, tuple[int, int]] = {}
+        self.gaps_refetched = 0  # holes read again
+        self.gaps_accepted = 0  # holes read on past after GAP_TRIES reads
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -206,6 +223,7 @@ class Reader(Generic[T]):
         consumer = self._options.make_consumer(self._bootstrap)
         await consumer.start()
         self._consumer = consumer
+        self._forget()
         match at:
             case Tail(topic):
                 tp = TopicPartition(topic, 0)
@@ -219,7 +237,7 @@ class Reader(Generic[T]):
             case Own(topic):
                 consumer.assign([TopicPartition(topic, 0)])
             case Subscribe(topics, listener):
-                consumer.subscribe(list(topics), listener=listener)
+                consumer.subscribe(list(topics), listener=_Forgetting(self, listener))
             case None:
                 pass
 
@@ -299,11 +317,17 @@ class Reader(Generic[T]):
         """Read exactly these partitions, each from its offset (0: from the log's start, wherever that is)."""
         consumer = self.consumer
         consumer.assign(list(positions))
+        self._forget()
         for tp, offset in positions.items():
             if offset > 0:
                 consumer.seek(tp, offset)
             else:
                 await consumer.seek_to_beginning(tp)
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        """Read `tp` on from `offset` (the loop does not take the move for a hole)."""
+        self.consumer.seek(tp, offset)
+        self._forget(tp)
 
     async def commit(self, offsets: dict[TopicPartition, int] | None = None) -> None:
         """Commit `offsets` (None: every current position) within `COMMIT_TIMEOUT_S` (see `commit_within`)."""
@@ -311,7 +335,9 @@ class Reader(Generic[T]):
 
     async def rewind_to_committed(self) -> None:
         """Move every assigned partition back to its group's last commit (see `rewind_to_committed`)."""
+        self._forget()
         await rewind_to_committed(self.consumer)
+        self._forget()  # again: the loop may have handed on records while the commits were looked up
 
     # ---- point lookups -----------------------------------------------------------------------------
 
@@ -327,6 +353,7 @@ class Reader(Generic[T]):
             try:
                 consumer.assign([tp])
                 consumer.seek(tp, offset)
+                self._forget()
                 async with asyncio.timeout(timeout_s):
                     while True:
                         fetched = await consumer.getmany(tp, timeout_ms=LOOKUP_POLL_MS, max_records=1)
@@ -385,11 +412,16 @@ class Reader(Generic[T]):
         await stretch.after_poll(bool(fetched))
         if not fetched and watch is not None:
             rewound = await watch.check()
+            self._forget(*rewound)
             if rewound and hooks.reset is not None:
                 await hooks.reset(rewound)
         for tp, records in fetched.items():
-            await hooks.handle(self._decode(tp, records))
+            records = self._whole(consumer, tp, records)
+            if records:
+                await hooks.handle(self._decode(tp, records))
         if fetched and self._options.commit_after_poll:
+            # The positions: after a hole, the hole's start (`_whole` moved back there), so only what was
+            # handed on is committed.
             try:
                 await commit_within(consumer)
             except (KafkaError, TimeoutError) as exc:
@@ -406,8 +438,98 @@ class Reader(Generic[T]):
             except Exception as exc:
                 log.error(
                     "%s: dropping an undecodable record at %s[%d]@%d: %r",
-                    self.name, tp.topic, tp.partition, record.offset, exc,
+                    self.name,
+                    tp.topic,
+                    tp.partition,
+                    record.offset,
+                    exc,
                 )
                 batch.dropped.append(record)
         return batch
 
+    # ---- holes in what a fetch brought -------------------------------------------------------------
+
+    def _forget(self, *tps: TopicPartition) -> None:
+        """The consumer was moved (these partitions; none named: all): what it reads next is no hole."""
+        if tps:
+            for tp in tps:
+                self._next.pop(tp, None)
+                self._holes.pop(tp, None)
+        else:
+            self._next.clear()
+            self._holes.clear()
+
+    def _whole(self, consumer: AIOKafkaConsumer, tp: TopicPartition, records: list[Any]) -> list[Any]:
+        """The records up to the first hole, the consumer moved back to read the hole again (broker quirk
+        "fetch skips a batch"); all of them when there is none, or the hole was read GAP_TRIES times.
+
+        Per batch a few integer comparisons: a run of offsets first..last without a hole holds exactly
+        last - first + 1 records. Records starting before the expected offset mean the consumer was moved
+        back (a rewind, an empty broker restart): never a hole.
+        """
+        first = records[0].offset
+        last = records[-1].offset
+        expected = self._next.get(tp)
+        if (expected is None or first <= expected) and last - first + 1 == len(records):
+            self._next[tp] = last + 1
+            if self._holes:
+                self._holes.pop(tp, None)
+            return records
+        if expected is not None and first > expected:
+            keep, hole, after = 0, expected, first
+        else:
+            keep = next(i for i in range(1, len(records)) if records[i].offset != records[i - 1].offset + 1)
+            hole, after = records[keep - 1].offset + 1, records[keep].offset
+        seen = self._holes.get(tp)
+        tries = seen[1] + 1 if seen is not None and seen[0] == hole else 1
+        if tries > GAP_TRIES:
+            self.gaps_accepted += 1
+            self._holes.pop(tp, None)
+            log.warning(
+                "%s: offsets %d..%d of %s[%d] are missing after %d reads; reading on past them",
+                self.name,
+                hole,
+                after - 1,
+                tp.topic,
+                tp.partition,
+                GAP_TRIES,
+            )
+            self._next[tp] = after
+            return records[:keep] + self._whole(consumer, tp, records[keep:])
+        self.gaps_refetched += 1
+        self._holes[tp] = (hole, tries)
+        log.info(
+            "%s: a fetch of %s[%d] skipped offsets %d..%d; reading them again (try %d)",
+            self.name,
+            tp.topic,
+            tp.partition,
+            hole,
+            after - 1,
+            tries,
+        )
+        consumer.seek(tp, hole)
+        self._next[tp] = hole
+        return records[:keep]
+
+
+class _Forgetting(ConsumerRebalanceListener):  # type: ignore[misc]
+    """A group member's rebalance listener that first tells its reader the consumer was moved."""
+
+    def __init__(self, reader: Reader[Any], inner: ConsumerRebalanceListener | None) -> None:
+        self._reader = reader
+        self._inner = inner
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        """Pass on to the reader's own listener."""
+        if self._inner is not None:
+            res = self._inner.on_partitions_revoked(revoked)
+            if asyncio.iscoroutine(res):
+                await res
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        """Partitions come back at their commits: no hole; then pass on to the reader's own listener."""
+        self._reader._forget()
+        if self._inner is not None:
+            res = self._inner.on_partitions_assigned(assigned)
+            if asyncio.iscoroutine(res):
+                await res
