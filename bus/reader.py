@@ -317,7 +317,10 @@ class Reader(Generic[T]):
         """Read exactly these partitions, each from its offset (0: from the log's start, wherever that is)."""
         consumer = self.consumer
         consumer.assign(list(positions))
-        self._forget()
+        # A partition put back where its last record left it keeps its expectation (a hole right there is
+        # still one); any other is moved.
+        self._next = {tp: n for tp, n in self._next.items() if positions.get(tp) == n}
+        self._holes = {tp: h for tp, h in self._holes.items() if tp in self._next}
         for tp, offset in positions.items():
             if offset > 0:
                 consumer.seek(tp, offset)

@@ -151,3 +151,11 @@ async def test_commit_after_poll_follows_the_move_back_to_the_hole() -> None:
 async def test_a_fetch_that_is_all_hole_hands_on_nothing() -> None:
     _, handed, consumer = await read([[0], [3, 4], [1, 2, 3, 4]])
     assert handed == [0, 1, 2, 3, 4] and consumer.seeks == [(TP, 1)]
+
+
+async def test_a_partition_assigned_again_where_it_was_keeps_its_expectation() -> None:
+    reader, _, _ = await read([[0, 1]])
+    other = TopicPartition("u", 0)
+    await reader.assign({TP: 2, other: 7})
+    _, handed, consumer = await read([[4, 5], [2, 3, 4, 5]], reader)
+    assert handed == [2, 3, 4, 5] and consumer.seeks == [(TP, 2)]
