@@ -357,13 +357,20 @@ class Reader(Generic[T]):
                 consumer.assign([tp])
                 consumer.seek(tp, offset)
                 self._forget()
+                skipped = 0
                 async with asyncio.timeout(timeout_s):
                     while True:
                         fetched = await consumer.getmany(tp, timeout_ms=LOOKUP_POLL_MS, max_records=1)
                         records = fetched.get(tp, [])
                         if records:
                             if records[0].offset != offset:
-                                return None
+                                # Past it: maybe a fetch that skipped it (broker quirk "fetch skips a
+                                # batch"); a lost request would be sent twice. Read again, GAP_TRIES times.
+                                if records[0].offset < offset or skipped >= GAP_TRIES:
+                                    return None
+                                skipped += 1
+                                consumer.seek(tp, offset)
+                                continue
                             batch = self._decode(tp, records)
                             return batch.messages[0][1] if batch.messages else None
                         # An empty fetch with the log's end at or before the offset: the record is gone

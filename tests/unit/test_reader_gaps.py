@@ -46,6 +46,12 @@ class FakeConsumer:
     async def commit(self, offsets: object = None) -> None:
         self.commits += 1
 
+    def unsubscribe(self) -> None:
+        pass
+
+    def highwater(self, tp: TopicPartition) -> int | None:
+        return None
+
 
 class NoStretch:
     async def after_poll(self, got: bool) -> None:
@@ -159,3 +165,19 @@ async def test_a_partition_assigned_again_where_it_was_keeps_its_expectation() -
     await reader.assign({TP: 2, other: 7})
     _, handed, consumer = await read([[4, 5], [2, 3, 4, 5]], reader)
     assert handed == [2, 3, 4, 5] and consumer.seeks == [(TP, 2)]
+
+
+async def test_a_lookup_whose_fetch_skipped_the_record_reads_again() -> None:
+    reader = Reader("lookups", "127.0.0.1:1", Raw())
+    consumer = FakeConsumer([{TP: [Record(5, b"five")]}, {TP: [Record(3, b"three")]}])
+    reader._consumer = consumer  # type: ignore[assignment]
+    assert await reader.read_at(TP, 3, 5.0) == b"three"
+    assert consumer.seeks == [(TP, 3), (TP, 3)]
+
+
+async def test_a_lookup_past_a_hole_that_stays_finds_nothing() -> None:
+    reader = Reader("lookups", "127.0.0.1:1", Raw())
+    consumer = FakeConsumer([{TP: [Record(5, b"five")]}] * (GAP_TRIES + 1))
+    reader._consumer = consumer  # type: ignore[assignment]
+    assert await reader.read_at(TP, 3, 5.0) is None
+    assert consumer.seeks == [(TP, 3)] * (GAP_TRIES + 1)
