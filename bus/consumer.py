@@ -34,7 +34,7 @@ async def stop_consumer(consumer: AIOKafkaConsumer, join_wait_s: float | None = 
     if routine is not None and not routine.done():
         await asyncio.wait([routine], timeout=join_wait_s)
         if not routine.done():
-            log.warning("consumer group join did not end within %.0fs of stopping; leaving it", join_wait_s)
+            log.warning("consumer group join did not end within %.1fs of stopping; leaving it", join_wait_s)
             gave_up = True
             routine.cancel()  # stop() awaits it, so it raises CancelledError and is finished below
     try:
