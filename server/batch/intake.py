@@ -27,11 +27,6 @@ from server.errors import APIError
 
 log = logging.getLogger("ferry.batch")
 
-# A frontend stopping while its batch readers' group join is under way (the broker holds a first join for a
-# few seconds) leaves the join after this long: a join in progress holds nothing to commit, and the broker
-# drops the member after its session timeout, as it would one that died.
-JOIN_WAIT_S = 0.5
-
 # How long a Kafka-native item's metadata and its "result sent" mark are kept.
 ITEM_TTL_S = 7 * 24 * 3600
 
@@ -71,7 +66,6 @@ class KafkaIntake:
                 poll=Poll(200, 256),
                 group_id=batch_submit_group(model),
                 offset_reset="earliest",
-                join_wait_s=JOIN_WAIT_S,
             ),
             Hooks(self._handle, before_poll=self._wait_for_workers, error=self._retry),
         )

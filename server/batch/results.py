@@ -26,7 +26,6 @@ from schemas.batch import ItemMeta
 from schemas.kafka import Chunk, ReplyMessage, chunks_of, reply_decoder
 from schemas.names import batch_results_group, batch_results_topic
 from schemas.tenants import UsageRecord
-from server.batch.intake import JOIN_WAIT_S
 from server.batch.items import response_line, split_item_id, split_sequence_id, unrun_line
 from server.batch.lines import ItemChunks, ItemResult, build, sequences_of
 from server.logprobs import LogprobFormatter
@@ -91,7 +90,6 @@ class ResultCollector:
                 group_id=self.group,
                 offset_reset="earliest",
                 max_poll_records=2048,
-                join_wait_s=JOIN_WAIT_S,
             ),
             Hooks(self._handle, after_poll=self._tend, error=self._retry, closing=self._last_commit_quietly),
         )
