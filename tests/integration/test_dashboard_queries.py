@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
+import pytest_asyncio
 from openai import AsyncOpenAI
 
 from launch.dashboard import OUT
 from launch.monitor import start_monitor
+from launch.services import start_broker
 from tests.harness import frontend_process, sse_events, until, worker_process
 
 pytestmark = pytest.mark.integration
@@ -72,6 +75,15 @@ async def _query(c: httpx.AsyncClient, prom: str, expr: str) -> list[object]:
     assert r.status_code == 200 and body["status"] == "success", (expr, body)
     result: list[object] = body["data"]["result"]
     return result
+
+
+@pytest_asyncio.fixture
+async def kafka() -> AsyncIterator[str]:
+    """A broker of this test's own. Batch consumer groups are named by model: on the session's broker a
+    frontend of another test still in the results group could take this batch's results, and it never ends."""
+    child, addr = await start_broker()
+    yield addr
+    await child.stop()
 
 
 async def test_every_dashboard_query_returns_series(

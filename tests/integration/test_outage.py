@@ -10,7 +10,7 @@ so every topic is created again on demand and every consumer starts over on it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import io
 import json
 import time
 import uuid
@@ -270,8 +270,12 @@ async def test_a_worker_given_up_on_during_an_outage_still_closes_its_kafka_clie
     await services.broker.stop()
     w.shutdown.set()
     w.task.cancel()  # the supervisor stops waiting for the drain
-    with contextlib.suppress(asyncio.CancelledError):
-        await w.task
+    done, _ = await asyncio.wait([w.task], timeout=60)
+    if not done:
+        stacks = io.StringIO()
+        for t in asyncio.all_tasks():
+            t.print_stack(file=stacks)
+        raise AssertionError(f"the cancelled worker did not end:\n{stacks.getvalue()}")
     closing = w.worker._closing
     assert closing is not None
     await asyncio.wait_for(asyncio.shield(closing), 60)
