@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import datetime as dt
 import io
@@ -10,12 +11,11 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 
-from bus.reader import GAP_TRIES
+from bus.reader import Batch, Hooks, Options, Poll, Reader
 from launch.flags import load
 from schemas.names import usage_topic
 from schemas.ops_settings import UsageSettings
@@ -43,34 +43,27 @@ def parse_since(text: str, now: float | None = None) -> float:
     return when.timestamp()
 
 
-class Holes:
-    """Where each partition's next record is, and how often the hole there was read again."""
-
-    def __init__(self, starts: dict[TopicPartition, int]) -> None:
-        self.next = dict(starts)
-        self.tries: dict[TopicPartition, int] = {}
-
-    def whole(self, consumer: AIOKafkaConsumer, tp: TopicPartition, records: Sequence[Any]) -> list[Any]:
-        """The records up to the first hole, the consumer moved back to read it again (broker quirk "fetch
-        skips a batch", bus/reader.py); past a hole only once it was read GAP_TRIES times."""
-        out: list[Any] = []
-        for r in records:
-            if r.offset > self.next[tp] and self.tries.get(tp, 0) < GAP_TRIES:
-                self.tries[tp] = self.tries.get(tp, 0) + 1
-                consumer.seek(tp, self.next[tp])
-                return out
-            if r.offset >= self.next[tp]:
-                out.append(r)
-                self.next[tp] = r.offset + 1
-                self.tries.pop(tp, None)
-        return out
-
-
 async def read_usage(kafka: str, since: float, timeout_s: float = 10.0) -> list[UsageRecord]:
     """Every record of the usage topic at or after `since`, up to the topic's end when called."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=kafka, enable_auto_commit=False, group_id=None)
-    await consumer.start()
+    out: list[UsageRecord] = []
+    ends: dict[TopicPartition, int] = {}
+    read_all = asyncio.Event()
+
+    async def handle(batch: Batch[UsageRecord]) -> None:
+        out.extend(rec for r, rec in batch.messages if r.offset < ends[batch.tp] and rec.at >= since)
+
+    async def after_poll(_brought: bool) -> None:
+        if all([await reader.consumer.position(tp) >= end for tp, end in ends.items()]):
+            read_all.set()
+
+    # Through a Reader: it reads again what a fetch skipped (broker quirk "fetch skips a batch").
+    reader = Reader(
+        "ferry usage", kafka, msgspec.json.Decoder(UsageRecord), Options(poll=Poll(500, 500)),
+        Hooks(handle, after_poll=after_poll),
+    )  # fmt: skip
+    await reader.open()
     try:
+        consumer = reader.consumer
         parts = consumer.partitions_for_topic(usage_topic()) or set()
         if not parts:
             await (
@@ -80,28 +73,19 @@ async def read_usage(kafka: str, since: float, timeout_s: float = 10.0) -> list[
         tps = [TopicPartition(usage_topic(), p) for p in sorted(parts)]
         if not tps:
             return []
-        consumer.assign(tps)
-        ends = await consumer.end_offsets(tps)
+        ends.update(await consumer.end_offsets(tps))
         # Records are in time order per partition, near enough: start at the first offset at `since`.
         found = await consumer.offsets_for_times({tp: int(since * 1000) for tp in tps})
         starts = {tp: ends[tp] if found.get(tp) is None else found[tp].offset for tp in tps}
-        for tp, offset in starts.items():
-            consumer.seek(tp, offset)
-        holes = Holes(starts)
-        decoder = msgspec.json.Decoder(UsageRecord)
-        out: list[UsageRecord] = []
-        deadline = time.monotonic() + timeout_s
-        while any([await consumer.position(tp) < ends[tp] for tp in tps]) and time.monotonic() < deadline:
-            batches = await consumer.getmany(timeout_ms=500)
-            for tp, records in batches.items():
-                for r in holes.whole(consumer, tp, records):
-                    if r.offset < ends[tp] and r.value is not None:
-                        rec = decoder.decode(r.value)
-                        if rec.at >= since:
-                            out.append(rec)
+        if all(starts[tp] >= ends[tp] for tp in tps):
+            return []
+        await reader.assign(starts)
+        reader.run()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(read_all.wait(), timeout_s)
         return out
     finally:
-        await consumer.stop()
+        await reader.stop()
 
 
 def summarize(records: list[UsageRecord], by: str) -> dict[str, dict[str, int]]:

@@ -1,16 +1,12 @@
-"""`ferry usage`: parsing --since, reading past the broker's skipped fetches, grouping and rendering."""
+"""`ferry usage`: parsing --since, grouping and rendering."""
 
 from __future__ import annotations
 
 import datetime as dt
-from types import SimpleNamespace
-from typing import Any, cast
 
 import pytest
-from aiokafka import TopicPartition
 
-from bus.reader import GAP_TRIES
-from launch.usage import Holes, parse_since, render, summarize
+from launch.usage import parse_since, render, summarize
 from schemas.tenants import UsageRecord
 
 
@@ -50,35 +46,3 @@ def test_summary_by_tenant_model_and_key_as_table_and_csv() -> None:
         "completion_tokens",
     ]
     assert table[1].split() == ["a", "2", "1", "11", "0", "5"]
-
-
-class FakeConsumer:
-    """Records where `ferry usage` moved the consumer."""
-
-    def __init__(self) -> None:
-        self.seeks: list[int] = []
-
-    def seek(self, tp: TopicPartition, offset: int) -> None:
-        """Note the move."""
-        self.seeks.append(offset)
-
-
-def test_a_fetch_that_skipped_records_is_read_again() -> None:
-    tp = TopicPartition("ferry.usage", 0)
-    rec = [SimpleNamespace(offset=i) for i in range(6)]
-    holes, consumer = Holes({tp: 0}), FakeConsumer()
-    got = holes.whole(cast(Any, consumer), tp, [rec[0], rec[1], rec[4], rec[5]])
-    assert [r.offset for r in got] == [0, 1] and consumer.seeks == [2]
-    # Read again from the hole: what was already taken is not taken twice.
-    got = holes.whole(cast(Any, consumer), tp, rec[1:])
-    assert [r.offset for r in got] == [2, 3, 4, 5] and consumer.seeks == [2]
-
-
-def test_a_hole_that_stays_is_read_past() -> None:
-    tp = TopicPartition("ferry.usage", 0)
-    holes, consumer = Holes({tp: 0}), FakeConsumer()
-    batch = [SimpleNamespace(offset=0), SimpleNamespace(offset=3)]
-    for _ in range(GAP_TRIES):
-        holes.whole(cast(Any, consumer), tp, batch)
-    got = holes.whole(cast(Any, consumer), tp, batch)
-    assert [r.offset for r in got] == [3] and len(consumer.seeks) == GAP_TRIES
