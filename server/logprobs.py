@@ -61,12 +61,18 @@ class LogprobFormatter:
         return CompletionLogprobs(tokens, lps, tops, offsets)
 
     def echoed(
-        self, first_token: int, prompt: list[TokenLogprob | None] | None, length: int
+        self,
+        first_tokens: list[int] | None,
+        index: int,
+        prompt: list[TokenLogprob | None] | None,
+        length: int,
     ) -> list[TokenLogprob | int]:
-        """An echoed prompt's entries for `completion`: its first token bare, then the logprobs of the others
-        (a moved sequence's prompt logprobs may run past the prompt into its output: cut at `length`)."""
+        """Prompt `index`'s entries for `completion` when echoed: its first token bare (token 0 for a stream
+        recorded before first tokens were), then the logprobs of the others (a moved sequence's prompt
+        logprobs may run past the prompt into its output: cut at `length`)."""
+        first = first_tokens[index] if first_tokens else 0
         rest = [e for e in (prompt or [])[1:length] if e is not None]
-        return [first_token, *rest]
+        return [first, *rest]
 
     def prompt(self, entries: list[TokenLogprob | None]) -> PromptLogprobs:
         """vLLM-style prompt logprobs: per position, the prompt token and its top alternatives by token id."""

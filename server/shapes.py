@@ -227,8 +227,7 @@ class CompletionEvents:
                 p = d.choice // spec.n
                 text = spec.prompt_texts[p] + text
                 if spec.logprobs:
-                    first = spec.first_tokens[p] if spec.first_tokens else 0
-                    entries = self._fmt.echoed(first, d.prompt_logprobs, spec.prompt_lens[p]) + entries
+                    entries = self._fmt.echoed(spec.first_tokens, p, d.prompt_logprobs, spec.prompt_lens[p]) + entries
         logprobs = None
         if spec.logprobs:
             logprobs = self._fmt.completion(entries, offset)
@@ -289,8 +288,7 @@ def text_completion(done: Finished, fmt: LogprobFormatter) -> Completion:
         if done.logprobs:
             entries: list[TokenLogprob | int] = list(s.logprobs)
             if done.echo_texts:
-                first = done.first_tokens[p] if done.first_tokens else 0
-                entries = fmt.echoed(first, s.prompt_logprobs, done.prompt_lens[p]) + entries
+                entries = fmt.echoed(done.first_tokens, p, s.prompt_logprobs, done.prompt_lens[p]) + entries
             lps = fmt.completion(entries, 0)
         choice = CompletionChoice(c, prefix + "".join(s.text), lps, finish(s.finish_reason))
         if s.prompt_logprobs is not None and done.show_prompt_logprobs:
