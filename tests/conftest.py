@@ -16,6 +16,8 @@ import pytest
 import pytest_asyncio
 
 from launch.services import start_broker, start_redis
+from schemas.settings import DEFAULT_MODEL_NAME
+from server.model_files import ModelFiles
 from tests.harness import Harness, harness
 
 # pytest-timeout's signal lands inside an event-loop callback, where asyncio logs the exception and goes on:
@@ -49,6 +51,12 @@ def model_path() -> Path:
 
     logging.getLogger("ferry").setLevel(logging.WARNING)
     return prepare_model(default_model_dir())
+
+
+@pytest.fixture(scope="session")
+def files(model_path: Path) -> ModelFiles:
+    """The default model's tokenizer and chat template, loaded once."""
+    return ModelFiles.load(model_path, DEFAULT_MODEL_NAME)
 
 
 @pytest_asyncio.fixture(scope="session")

@@ -25,11 +25,6 @@ MODEL = "SmolLM2-135M-Instruct"
 TEXTS = ["The capital of France is", "Once upon a time, there"]
 
 
-@pytest.fixture(scope="module")
-def files(model_path: Path) -> ModelFiles:
-    return ModelFiles.load(model_path, MODEL)
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def url(kafka: str, redis_url: str, model_path: Path, files: ModelFiles) -> AsyncIterator[str]:
     # `files` first: loading it blocks the loop the worker's heartbeats run on.

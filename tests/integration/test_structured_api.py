@@ -42,11 +42,6 @@ class Stack:
     keyed_url: str  # a second frontend with a user key and the admin key
 
 
-@pytest.fixture(scope="module")
-def files(model_path: Path) -> ModelFiles:
-    return ModelFiles.load(model_path, MODEL)
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack(kafka: str, redis_url: str, model_path: Path, files: ModelFiles) -> AsyncIterator[Stack]:
     # `files` first: loading it blocks the loop the worker's heartbeats run on.

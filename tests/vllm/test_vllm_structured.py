@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -29,11 +28,6 @@ CAPITAL = {
     "required": ["city", "country", "is_capital"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def files(model_path: Path) -> ModelFiles:
-    return ModelFiles.load(model_path, DEFAULT_MODEL_NAME)
 
 
 @pytest.fixture(scope="module")
