@@ -179,6 +179,13 @@ class BatchSettings:
     batch_max_requests: int = dataclasses.field(
         default=50_000, metadata=_help("most requests in one batch file")
     )
+    batch_api: bool = dataclasses.field(
+        default=True,
+        metadata=_help(
+            "serve the Files and Batches API; off: a frontend for interactive traffic only, in no batch "
+            "consumer group (batch routes answer 404)"
+        ),
+    )
     batch_kafka_intake: bool = dataclasses.field(
         default=True, metadata=_help("take Kafka-native batch items from ferry.batch.submit.<model>")
     )

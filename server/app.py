@@ -38,7 +38,8 @@ def create_app(settings: FrontendSettings) -> Starlette:
     if (api_keys or tenants) and not settings.admin_key:
         log.info("API keys set but no admin key: /v1/admin/* is closed to every caller")
     metrics = FrontendMetrics()
-    batch = BatchService(settings)  # the Files and Batches API (server/batch/)
+    # The Files and Batches API (server/batch/); a frontend for interactive traffic only joins no batch group.
+    batch = BatchService(settings) if settings.batch_api else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -72,8 +73,9 @@ def create_app(settings: FrontendSettings) -> Starlette:
             def batch_workers() -> list[WorkerStatus]:
                 return fe.pool.live(settings.served_model_name)
 
-            charge = batch_charger(app.state.usage, app.state.quota, metrics) if tenants else None
-            await stack.enter_async_context(batch.running(fe.pre, fe.fmt, batch_workers, charge))
+            if batch is not None:
+                charge = batch_charger(app.state.usage, app.state.quota, metrics) if tenants else None
+                await stack.enter_async_context(batch.running(fe.pre, fe.fmt, batch_workers, charge))
             yield
 
     app = Starlette(

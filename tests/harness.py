@@ -74,11 +74,16 @@ class Harness:
         return running
 
     async def add_frontend(self, **overrides: Any) -> tuple[Frontend, str]:
-        """Start one frontend on uvicorn on a free loopback port; returns it and its base URL."""
+        """Start one frontend on uvicorn on a free loopback port; returns it and its base URL.
+
+        Without the Batch API unless a test asks for it (`batch_api=True`): its consumer groups' first join
+        takes the embedded broker ~5 s, and a frontend stopped before that waits for it.
+        """
         port = free_port()
         settings = FrontendSettings(
-            **{**self.common, "frontend_id": f"fe-{uuid.uuid4().hex[:6]}", "port": port, **TOOLS, **overrides}
-        )
+            **{**self.common, "frontend_id": f"fe-{uuid.uuid4().hex[:6]}", "port": port, "batch_api": False,
+               **TOOLS, **overrides}
+        )  # fmt: skip
         app = create_app(settings)
         server = ReadyServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
         task = asyncio.create_task(server.serve())

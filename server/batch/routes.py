@@ -38,8 +38,13 @@ def _json(obj: object, status: int = 200) -> Response:
 
 def _route(fn: Handler) -> Callable[[Request], Awaitable[Response]]:
     async def route(request: Request) -> Response:
-        svc: BatchService = request.app.state.batch
+        svc: BatchService | None = request.app.state.batch
         try:
+            if svc is None:
+                raise APIError(
+                    404, "This frontend does not serve the Batch API (it runs with --no-batch-api).",
+                    code="not_found",
+                )
             if svc.coordinator is None:
                 raise APIError(503, "The batch API is starting.", code="unavailable", retry_after=1)
             return await fn(svc, svc.coordinator, request)

@@ -14,6 +14,8 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
+from bus.topics import existing_topics
+from schemas.names import admin_topic, batch_results_topic, batch_submit_topic
 from tests.harness import harness
 
 
@@ -67,7 +69,7 @@ async def test_batch_round_trip_with_openai_client(
     async with harness(kafka, redis_url, prefix, model_path) as h:
         await h.add_worker(served_model_name=model, speedup=200.0)
         await h.add_worker(served_model_name=model, speedup=200.0)
-        _, url = await h.add_frontend(served_model_name=model, batch_dir=str(tmp_path))
+        _, url = await h.add_frontend(batch_api=True, served_model_name=model, batch_dir=str(tmp_path))
         client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
         lines = [chat_line(f"req-{i}", model, f"Question number {i}?") for i in range(12)]
@@ -138,7 +140,7 @@ async def test_invalid_files_and_batches_are_refused_clearly(
 ) -> None:
     model = model_name()
     async with harness(kafka, redis_url, prefix, model_path) as h:
-        _, url = await h.add_frontend(served_model_name=model, batch_dir=str(tmp_path))
+        _, url = await h.add_frontend(batch_api=True, served_model_name=model, batch_dir=str(tmp_path))
         client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         good = chat_line("a", model, "hi")
         cases = {
@@ -190,3 +192,20 @@ async def test_invalid_files_and_batches_are_refused_clearly(
         failed = await final_batch(client, batch.id)
         assert failed.status == "failed" and failed.failed_at
         assert failed.errors.data[0].code == "mismatched_url" and failed.errors.data[0].line == 1
+
+
+async def test_a_frontend_without_the_batch_api_says_so_and_starts_no_batch_reader(
+    kafka: str, redis_url: str, prefix: str, model_path: Path
+) -> None:
+    model = model_name()
+    async with harness(kafka, redis_url, prefix, model_path) as h:
+        fe, url = await h.add_frontend(batch_api=False, served_model_name=model)
+        client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        for call in (client.batches.list(), client.files.list(), client.batches.retrieve("batch_x")):
+            with pytest.raises(openai.NotFoundError) as err:
+                await call
+            assert "--no-batch-api" in err.value.message
+        # The batch readers create their topics before they join their groups: a frontend with the API
+        # makes them at start-up, this one made none (its admin replies topic, made at start-up, is listed).
+        topics = [batch_results_topic(model), batch_submit_topic(model), admin_topic(fe.settings.frontend_id)]
+        assert await existing_topics(kafka, topics) == [admin_topic(fe.settings.frontend_id)]

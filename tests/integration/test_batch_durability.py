@@ -72,7 +72,7 @@ async def test_batch_survives_a_killed_worker_and_a_frontend_restart(
                 await worker_process(f"bw{i}-{model}", kafka, redis_url, prefix, model_path, *flags)
             )
         async with harness(kafka, redis_url, prefix, model_path) as h:
-            _, url = await h.add_frontend(served_model_name=model, batch_dir=str(tmp_path))
+            _, url = await h.add_frontend(batch_api=True, served_model_name=model, batch_dir=str(tmp_path))
             client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             n = 40
             f = await client.files.create(file=("in.jsonl", slow_lines(model, n)), purpose="batch")
@@ -90,7 +90,7 @@ async def test_batch_survives_a_killed_worker_and_a_frontend_restart(
             await workers[0].proc.wait()
             # The frontend goes away and another one (new id, same Redis and topics) carries on.
             await stop_frontend(h, 0)
-            _, url2 = await h.add_frontend(served_model_name=model, batch_dir=str(tmp_path))
+            _, url2 = await h.add_frontend(batch_api=True, served_model_name=model, batch_dir=str(tmp_path))
             client2 = AsyncOpenAI(base_url=f"{url2}/v1", api_key="unused", max_retries=0)
             done = await final_batch(client2, batch.id, limit_s=120)
             assert done.status == "completed", done
@@ -111,7 +111,7 @@ async def test_cancel_stops_new_items_and_accounts_for_every_item(
     async with harness(kafka, redis_url, prefix, model_path) as h:
         await h.add_worker(served_model_name=model, speedup=2.0, pool_max_inflight=2)
         _, url = await h.add_frontend(
-            served_model_name=model, batch_dir=str(tmp_path), batch_cancel_grace_s=1.0
+            batch_api=True, served_model_name=model, batch_dir=str(tmp_path), batch_cancel_grace_s=1.0
         )
         client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         n = 60
@@ -147,7 +147,7 @@ async def test_an_expired_window_ends_expired_with_partial_results(
     async with harness(kafka, redis_url, prefix, model_path) as h:
         w = await h.add_worker(served_model_name=model, speedup=2.0, pool_max_inflight=2)
         _, url = await h.add_frontend(
-            served_model_name=model, batch_dir=str(tmp_path), batch_windows="24h,3s"
+            batch_api=True, served_model_name=model, batch_dir=str(tmp_path), batch_windows="24h,3s"
         )
         # The window is short: start it once the pool and results consumer groups have settled.
         assert w.worker.pool is not None

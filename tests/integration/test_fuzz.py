@@ -46,7 +46,7 @@ async def test_schemathesis_finds_no_server_error(kafka: str, redis_url: str, mo
         # Slow heartbeats: on a busy machine the shared event loop may stall longer than the test's usual
         # 1.5 s registry TTL, and a worker that seems gone makes 503s that say nothing about the input.
         await h.add_worker(max_model_len=128, speedup=1000.0, heartbeat_interval_s=3.0)
-        _fe, url = await h.add_frontend(max_body_bytes=256 * 1024, heartbeat_interval_s=3.0)
+        _fe, url = await h.add_frontend(max_body_bytes=256 * 1024, heartbeat_interval_s=3.0, batch_api=True)
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",

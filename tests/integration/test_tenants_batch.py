@@ -48,7 +48,7 @@ async def test_a_tenants_batch_is_its_usage_and_counts_against_its_tokens_per_mi
     tenants.write_text(TENANTS)
     async with harness(kafka, redis_url, prefix, model_path) as h:
         await h.add_worker(served_model_name=model, speedup=200.0)
-        _, url = await h.add_frontend(served_model_name=model, batch_dir=str(tmp_path), tenants=str(tenants))
+        _, url = await h.add_frontend(batch_api=True, served_model_name=model, batch_dir=str(tmp_path), tenants=str(tenants))
         await room_in_the_minute(redis_url, 40)
         since = time.time() - 1
         auth = {"Authorization": "Bearer key-batcher"}

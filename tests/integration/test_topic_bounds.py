@@ -201,7 +201,7 @@ async def test_topics_ferry_creates_carry_their_retention(h: Harness, kafka: str
         kafka_retention_bytes=5_000_000,
     )  # fmt: skip
     fe, _url = await h.add_frontend(
-        served_model_name=model, request_roll_s=60.0, kafka_request_retention_s=120.0, kafka_batch_retention_s=7200.0,
+        batch_api=True, served_model_name=model, request_roll_s=60.0, kafka_request_retention_s=120.0, kafka_batch_retention_s=7200.0,
         kafka_retention_bytes=5_000_000, resume_ttl_s=300.0,
     )  # fmt: skip
     wid = w.worker.settings.worker_id
