@@ -231,7 +231,9 @@ class Generation:
         wait_s = self.svc.keepalive_s if idle_s is None else idle_s
         idle_since = time.monotonic()
         while not self.stream.drained:
-            batch = await self.stream.get(wait_s)
+            # Woken at the no-progress deadline too, not only at the keep-alive (which may be far later).
+            until_deadline = idle_since + self.svc.request_timeout_s - time.monotonic()
+            batch = await self.stream.get(max(min(wait_s, until_deadline), 0.001))
             now = time.monotonic()
             if batch:
                 idle_since = now
@@ -246,7 +248,7 @@ class Generation:
                         self._observe_usage(seq, chunk)
                     if chunk.finish_reason is not None:
                         self._release(seq)
-            elif now - idle_since > self.svc.request_timeout_s:
+            elif now - idle_since >= self.svc.request_timeout_s:
                 for seq in self.stream.unfinished():
                     wait = self.svc.request_timeout_s
                     self.fail(seq, f"no progress from worker {seq.worker_id} for {wait:.0f}s", "timeout")
