@@ -97,15 +97,16 @@ class Harness:
         return fe, f"http://127.0.0.1:{port}"
 
     async def close(self) -> None:
-        """Stop every frontend, then every worker."""
-        for server, task in self._servers:
-            server.should_exit = True
+        """Stop every frontend, then every worker (those of one kind together, as separate processes would)."""
+
+        async def bounded(stop: Awaitable[Any]) -> None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, 15)
-        for w in self.workers:
-            if not w.task.done():
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(w.stop(), 15)
+                await asyncio.wait_for(stop, 15)
+
+        for server, _task in self._servers:
+            server.should_exit = True
+        await asyncio.gather(*(bounded(task) for _server, task in self._servers))
+        await asyncio.gather(*(bounded(w.stop()) for w in self.workers if not w.task.done()))
 
 
 async def worker_process(
