@@ -25,9 +25,11 @@ pytestmark = pytest.mark.integration
 
 # The frozen member holds the join until its session timeout drops it (the broker, Tansu, also takes half of
 # it for the member's own first join); a worker's JoinGroup gives up after aiokafka's 40 s request timeout.
-FROZEN_SESSION_MS = 40_000
-# Above the pool's 6 s session timeout (how long a drain gives the join), far below the frozen member's.
-EXIT_BOUND_S = 15.0
+FROZEN_SESSION_MS = 24_000
+# How long a drain gives the join (the worker's pool session timeout, shortened here) ...
+POOL_SESSION_S = 3.0
+# ... plus the rest of the exit: well below the frozen member's session, counted from its freeze.
+EXIT_BOUND_S = 10.0
 
 # A group member that joins, says so, and is then frozen by the test (so it never rejoins).
 MEMBER = """
@@ -64,7 +66,8 @@ async def test_sigterm_while_the_pool_group_join_cannot_end_exits_0(
         member.proc.send_signal(signal.SIGSTOP)
         wid = f"w-join-{uuid.uuid4().hex[:6]}"
         worker = await worker_process(
-            wid, kafka, redis_url, prefix, model_path, "--served-model-name", model, "--log-level", "info"
+            wid, kafka, redis_url, prefix, model_path, "--served-model-name", model, "--log-level", "info",
+            "--pool-session-timeout-s", str(POOL_SESSION_S),
         )
         # Ready means subscribed, not joined: the join starts in the consumer's background and cannot end
         # before the frozen member's session does. The broker reports no group state to wait on (Tansu answers
@@ -79,6 +82,8 @@ async def test_sigterm_while_the_pool_group_join_cannot_end_exits_0(
                 + "\n".join(worker.tail[-20:])
             ) from None
         assert code == 0, "\n".join(worker.tail[-20:])
+        # The case under test: the join was still held when the drain gave up on it.
+        assert any("join did not end within" in line for line in worker.tail), "\n".join(worker.tail[-20:])
     finally:
         member.kill()
         await member.stop()
