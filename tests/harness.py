@@ -55,10 +55,16 @@ class Harness:
         self.frontends: list[Frontend] = []
 
     async def add_worker(self, **overrides: Any) -> RunningWorker:
-        """Start one sim worker and wait until it is registered."""
+        """Start one sim worker and wait until it is registered.
+
+        Without batch pool work unless a test asks for it (`pool=True`): like the frontends' batch readers
+        (`add_frontend`), its consumer group's first join takes the embedded broker ~3 s, and a worker stopped
+        before that waits for it.
+        """
         settings = WorkerSettings(
-            **{**self.common, "worker_id": f"w-{uuid.uuid4().hex[:6]}", "speedup": 50.0, **overrides}
-        )
+            **{**self.common, "worker_id": f"w-{uuid.uuid4().hex[:6]}", "speedup": 50.0, "pool": False,
+               **overrides}
+        )  # fmt: skip
         worker = Worker(settings, build_engine(settings), "sim")
         shutdown = asyncio.Event()
         task = asyncio.create_task(worker.run(shutdown))

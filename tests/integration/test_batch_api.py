@@ -67,8 +67,8 @@ async def test_batch_round_trip_with_openai_client(
 ) -> None:
     model = model_name()
     async with harness(kafka, redis_url, prefix, model_path) as h:
-        await h.add_worker(served_model_name=model, speedup=200.0)
-        await h.add_worker(served_model_name=model, speedup=200.0)
+        await h.add_worker(pool=True, served_model_name=model, speedup=200.0)
+        await h.add_worker(pool=True, served_model_name=model, speedup=200.0)
         _, url = await h.add_frontend(batch_api=True, served_model_name=model, batch_dir=str(tmp_path))
         client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
@@ -187,7 +187,7 @@ async def test_invalid_files_and_batches_are_refused_clearly(
         batch = await client.batches.create(
             input_file_id=f.id, endpoint="/v1/completions", completion_window="24h"
         )
-        h_worker = await h.add_worker(served_model_name=model, speedup=200.0)
+        h_worker = await h.add_worker(pool=True, served_model_name=model, speedup=200.0)
         assert h_worker.worker.ready.is_set()
         failed = await final_batch(client, batch.id)
         assert failed.status == "failed" and failed.failed_at

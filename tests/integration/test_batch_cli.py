@@ -30,7 +30,7 @@ async def test_batch_commands(
 ) -> None:
     model = model_name()
     async with harness(kafka, redis_url, prefix, model_path) as h:
-        await h.add_worker(served_model_name=model, speedup=200.0)
+        await h.add_worker(pool=True, served_model_name=model, speedup=200.0)
         _, url = await h.add_frontend(batch_api=True, served_model_name=model, batch_dir=str(tmp_path / "store"))
         src = tmp_path / "in.jsonl"
         lines = [chat_line(f"c{i}", model, f"Line {i}") for i in range(8)] + [

@@ -109,7 +109,7 @@ async def test_cancel_stops_new_items_and_accounts_for_every_item(
 ) -> None:
     model = model_name()
     async with harness(kafka, redis_url, prefix, model_path) as h:
-        await h.add_worker(served_model_name=model, speedup=2.0, pool_max_inflight=2)
+        await h.add_worker(pool=True, served_model_name=model, speedup=2.0, pool_max_inflight=2)
         _, url = await h.add_frontend(
             batch_api=True, served_model_name=model, batch_dir=str(tmp_path), batch_cancel_grace_s=1.0
         )
@@ -145,7 +145,7 @@ async def test_an_expired_window_ends_expired_with_partial_results(
 ) -> None:
     model = model_name()
     async with harness(kafka, redis_url, prefix, model_path) as h:
-        w = await h.add_worker(served_model_name=model, speedup=2.0, pool_max_inflight=2)
+        w = await h.add_worker(pool=True, served_model_name=model, speedup=2.0, pool_max_inflight=2)
         _, url = await h.add_frontend(
             batch_api=True, served_model_name=model, batch_dir=str(tmp_path), batch_windows="24h,3s"
         )

@@ -15,7 +15,7 @@ async def test_kafka_native_items_get_one_result_each_on_the_named_topic(
 ) -> None:
     model = model_name()
     async with harness(kafka, redis_url, prefix, model_path) as h:
-        await h.add_worker(served_model_name=model, speedup=200.0)
+        await h.add_worker(pool=True, served_model_name=model, speedup=200.0)
         await h.add_frontend(batch_api=True, served_model_name=model, batch_dir=str(tmp_path))
         reply = f"svc.results.{uuid.uuid4().hex[:6]}"
         items = [chat_item(f"k{i}", model, f"Question {i}?", reply) for i in range(6)]

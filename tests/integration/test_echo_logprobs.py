@@ -165,7 +165,7 @@ async def test_batch_line_answers_as_the_route(
     body.update(echo=True, logprobs=2)
     line = {"custom_id": "echo", "method": "POST", "url": "/v1/completions", "body": body}
     async with harness(kafka, redis_url, prefix, model_path) as h:
-        await h.add_worker(served_model_name=model, speedup=200.0)
+        await h.add_worker(pool=True, served_model_name=model, speedup=200.0)
         _, base = await h.add_frontend(batch_api=True, served_model_name=model, batch_dir=str(tmp_path))
         async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as client:
             f = await client.files.create(

@@ -197,7 +197,7 @@ async def _async(value: bool) -> bool:
 async def test_topics_ferry_creates_carry_their_retention(h: Harness, kafka: str) -> None:
     model = f"bounds-{uuid.uuid4().hex[:6]}"  # pool and batch topics of their own (others made the default's)
     w = await h.add_worker(
-        served_model_name=model, request_roll_s=60.0, kafka_request_retention_s=120.0, kafka_batch_retention_s=7200.0,
+        pool=True, served_model_name=model, request_roll_s=60.0, kafka_request_retention_s=120.0, kafka_batch_retention_s=7200.0,
         kafka_retention_bytes=5_000_000,
     )  # fmt: skip
     fe, _url = await h.add_frontend(
