@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from kvstore.registry import Registry
 from launch.services import Child
 from planner.kafka_lag import KafkaLag
-from planner.latency import FrontendScraper
+from planner.latency import FrontendScraper, registered_frontends
 from planner.loop import Planner
 from planner.metrics import PlannerMetrics
 from schemas.names import RedisKeys
@@ -167,10 +167,9 @@ async def start_planner(
     worker: WorkerSettings,
     kafka: str,
     redis_url: str,
-    frontend_url: str,
     actuator: LocalWorkers,
 ) -> LocalPlanner:
-    """Build the planner for a local stack: the registry, the frontend's /metrics, Kafka lag, local workers."""
+    """Build the planner for a local stack: the registry, its frontends' /metrics, Kafka lag, local workers."""
     from prometheus_client import start_http_server
 
     from launch.services import free_port
@@ -182,9 +181,9 @@ async def start_planner(
     metrics = PlannerMetrics()
     server, _thread = start_http_server(free_port(), addr="127.0.0.1", registry=metrics.registry)
     model = worker.served_model_name
-    planner = Planner(
-        policy, model, Registry(redis, RedisKeys(worker.redis_prefix)),
-        FrontendScraper(http, [frontend_url], model), lag, actuator, metrics,
-    )  # fmt: skip
+    registry = Registry(redis, RedisKeys(worker.redis_prefix))
+    # Frontends from the registry: one started beside `ferry up` (same Redis and prefix) counts too.
+    scraper = FrontendScraper(http, registered_frontends(registry, model), model)
+    planner = Planner(policy, model, registry, scraper, lag, actuator, metrics)
     url = f"http://127.0.0.1:{server.server_port}/metrics"
     return LocalPlanner(planner, actuator, url, [lag.close, http.aclose, redis.aclose, server.shutdown])

@@ -16,7 +16,7 @@ from kvstore.registry import Registry
 from launch.flags import load
 from planner.actuators import Actuator, GaugeOnly, KubernetesDeployment
 from planner.kafka_lag import KafkaLag
-from planner.latency import FrontendScraper, PrometheusSource
+from planner.latency import FrontendScraper, PrometheusSource, fixed_frontends, registered_frontends
 from planner.loop import LatencySource, Planner
 from planner.metrics import PlannerMetrics
 from schemas.names import RedisKeys
@@ -39,11 +39,14 @@ async def run(s: PlannerSettings) -> int:
         loop.add_signal_handler(sig, stop.set)
     redis = aioredis.from_url(s.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
     http = httpx.AsyncClient()
+    registry = Registry(redis, RedisKeys(s.redis_prefix))
     latency: LatencySource
     if s.prometheus:
         latency = PrometheusSource(http, s.prometheus, s.served_model_name, 2 * s.planner_interval_s)
+    elif s.frontends:
+        latency = FrontendScraper(http, fixed_frontends(s.frontends.split(",")), s.served_model_name)
     else:
-        latency = FrontendScraper(http, [u for u in s.frontends.split(",") if u], s.served_model_name)
+        latency = FrontendScraper(http, registered_frontends(registry, s.served_model_name), s.served_model_name)
     lag = KafkaLag(s.kafka)
     metrics = PlannerMetrics()
     server, _thread = start_http_server(s.planner_port, addr=s.planner_host, registry=metrics.registry)
@@ -53,7 +56,7 @@ async def run(s: PlannerSettings) -> int:
         planner = Planner(
             s,
             s.served_model_name,
-            Registry(redis, RedisKeys(s.redis_prefix)),
+            registry,
             latency,
             lag,
             actuator,
@@ -63,7 +66,7 @@ async def run(s: PlannerSettings) -> int:
         print(f"ferry-planner-ready http://{s.planner_host}:{server.server_port}/metrics", flush=True)
         log.info(
             "planner for %s: %d-%d workers, actuator %s, latency from %s",
-            s.served_model_name, s.min_workers, s.max_workers, s.actuator, s.prometheus or s.frontends or "nowhere",
+            s.served_model_name, s.min_workers, s.max_workers, s.actuator, s.prometheus or s.frontends or "the registry's frontends",
         )  # fmt: skip
         await planner.run(stop)
     finally:
@@ -81,9 +84,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = load(PlannerSettings, argv, prog="ferry planner")
     if not s.min_workers <= s.max_workers:
         raise SystemExit("ferry planner: --min-workers must not exceed --max-workers")
-    if not s.prometheus and not s.frontends:
-        log.warning(
-            "neither --prometheus nor --frontends: the planner sizes on load and lag, without latency"
-        )
     logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return uvloop.run(run(s))

@@ -176,9 +176,7 @@ async def _autoscale(stack: Stack, started: Started, workers: list[Child]) -> Lo
 
     actuator = LocalWorkers(spawn, stack.worker, stack.settings.ready_timeout_s)
     actuator.adopt(workers)
-    local = await start_planner(
-        stack.planner, stack.worker, started.kafka, started.redis, started.url, actuator
-    )
+    local = await start_planner(stack.planner, stack.worker, started.kafka, started.redis, actuator)
     p = stack.planner
     print(
         f"planner: {p.min_workers}-{p.max_workers} workers, TTFT p90 <= {p.ttft_p90_target_s}s, ITL p90 <= "

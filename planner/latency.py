@@ -12,10 +12,12 @@ import dataclasses
 import logging
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvstore.registry import Registry
 
 log = logging.getLogger("ferry.planner")
 
@@ -82,27 +84,56 @@ def _merge(into: Buckets, add: Buckets) -> None:
         into[le] = into.get(le, 0.0) + v
 
 
+MetricsUrls = Callable[[], Awaitable[Sequence[str]]]
+
+
+def fixed_frontends(urls: Sequence[str]) -> MetricsUrls:
+    """The /metrics URLs of a fixed list of frontend base URLs (`--frontends`)."""
+    metrics = [u.rstrip("/") + "/metrics" for u in urls if u]
+
+    async def listed() -> Sequence[str]:
+        return metrics
+
+    return listed
+
+
+def registered_frontends(registry: Registry, model: str) -> MetricsUrls:
+    """The /metrics URLs the model's live frontends announce in the registry, read afresh each interval."""
+
+    async def listed() -> Sequence[str]:
+        return sorted(f.metrics_url for f in await registry.frontends() if f.model == model and f.metrics_url)
+
+    return listed
+
+
 class FrontendScraper:
     """Reads the frontends' /metrics each interval and turns two scrapes into one interval's Latency."""
 
-    def __init__(self, client: httpx.AsyncClient, frontends: Sequence[str], model: str) -> None:
+    def __init__(self, client: httpx.AsyncClient, frontends: MetricsUrls, model: str) -> None:
         self._client = client
-        self.frontends = list(frontends)
+        self._frontends = frontends
         self._model = model
         self._last: dict[str, tuple[float, dict[str, Buckets]]] = {}
 
     async def read(self, now: float) -> Latency:
         """Scrape every frontend; an unreachable one is left out of this interval."""
+        try:
+            urls = await self._frontends()
+        except Exception as exc:  # the registry (Redis) is down: no latency this interval, sized on load
+            log.warning("planner: cannot list the frontends (%r)", exc)
+            return Latency(None, None, None)
+        for gone in self._last.keys() - set(urls):
+            del self._last[gone]  # a frontend that left; one that comes back at the URL starts afresh
         ttft: Buckets = {}
         itl: Buckets = {}
         rate = 0.0
         seen = False
-        for url in self.frontends:
+        for url in urls:
             try:
-                r = await self._client.get(url.rstrip("/") + "/metrics", timeout=5.0)
+                r = await self._client.get(url, timeout=5.0)
                 r.raise_for_status()
             except httpx.HTTPError as exc:
-                log.warning("planner: cannot read %s/metrics (%r)", url, exc)
+                log.warning("planner: cannot read %s (%r)", url, exc)
                 continue
             hists = parse_histograms(r.text, (TTFT, ITL), self._model)
             before = self._last.get(url)

@@ -71,7 +71,8 @@ class PlannerSettings(CommonSettings, PlannerPolicySettings):
     frontends: str = dataclasses.field(
         default="",
         metadata=_help(
-            "comma-separated frontend URLs whose /metrics give TTFT and ITL (unless --prometheus)"
+            "comma-separated frontend URLs whose /metrics give TTFT and ITL; empty = every frontend of the model "
+            "announced in the registry (unless --prometheus)"
         ),
     )
     prometheus: str = dataclasses.field(

@@ -153,7 +153,7 @@ async def run_system(
     stop = asyncio.Event()
     tasks: list[asyncio.Task[Any]] = []
     if name in ("planner", "hpa"):
-        local = await start_planner(policy, worker, kafka, redis, url, actuator)
+        local = await start_planner(policy, worker, kafka, redis, actuator)
         if name == "hpa":
             local.planner.policy = ReactivePolicy(policy, args.slots, window_s=args.ramp_s / 8)
         tasks.append(asyncio.create_task(local.planner.run(stop)))

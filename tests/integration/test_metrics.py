@@ -18,6 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from planner.latency import FrontendScraper, Latency, registered_frontends
 from server.frontend import Frontend
 from tests.harness import Harness, sse_events, until, worker_process
 
@@ -274,3 +275,21 @@ async def test_discovery_lists_every_live_process_and_their_metrics_agree(h: Har
     assert any(
         s.name == "ferry_kafka_consumer_lag" for f in fe.metrics.registry.collect() for s in f.samples
     )
+
+
+async def test_the_planner_reads_the_latency_of_every_frontend_in_the_registry(h: Harness) -> None:
+    await h.add_worker()
+    fe, url = await h.add_frontend()
+    fe2, url2 = await h.add_frontend()
+    await fe.pool.refresh()
+    await fe2.pool.refresh()  # each announces itself with its refresh
+    async with httpx.AsyncClient(timeout=30) as c:
+        scraper = FrontendScraper(c, registered_frontends(fe.pool.registry, MODEL), MODEL)
+        assert await scraper.read(0.0) == Latency(None, None, None)  # the first scrape is the baseline
+        for base in (url, url, url2):
+            async with httpx.AsyncClient(base_url=base, timeout=30) as fc:
+                assert (await stream(fc, body(4))).error is None
+        got = await scraper.read(10.0)
+    # Three first tokens in 10 s across both frontends: one listed by hand would give 0.2 or 0.1.
+    assert got.arrival_rate == pytest.approx(0.3)
+    assert got.ttft_p90_s is not None and got.itl_p90_s is not None
