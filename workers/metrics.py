@@ -8,9 +8,11 @@ PROMETHEUS_MULTIPROC_DIR, its multiprocess files) are served beside them, so vLL
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.metrics_core import Metric
@@ -57,6 +59,7 @@ class WorkerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._server: WSGIServer | None = None
         r = self.registry
         self.requests = Counter("ferry_worker_requests", "Requests by outcome", ["outcome"], registry=r)
         self.generated_tokens = Counter("ferry_worker_generated_tokens", "Tokens generated", registry=r)
@@ -127,4 +130,12 @@ class WorkerMetrics:
     def serve(self, host: str, port: int, model: str, worker: str) -> str:
         """Serve /metrics in a background thread; return the URL others reach it at (for the registry)."""
         server, _thread = start_http_server(port, addr=host, registry=self.exposition(model, worker))
+        self._server = server
         return f"http://{reachable_host(host)}:{server.server_port}/metrics"
+
+    async def close(self) -> None:
+        """Stop the /metrics server and free its port (a worker inside a longer-lived process must not leak it)."""
+        server, self._server = self._server, None
+        if server is not None:
+            await asyncio.to_thread(server.shutdown)  # waits out serve_forever's poll (≤ 0.5 s)
+            server.server_close()

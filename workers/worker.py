@@ -162,7 +162,7 @@ class Worker:
         await self._outbox.close()
         # Nothing cancels this task (its caller holds it through a shield), so a CancelledError here comes from
         # inside a client whose own retries were cut short by the broker's absence: go on to the next one.
-        closers: list[Callable[[], Awaitable[object]]] = [self._producer.stop, self.lora.close, self.engine.stop, self._redis.aclose]  # fmt: skip
+        closers: list[Callable[[], Awaitable[object]]] = [self._producer.stop, self.lora.close, self.engine.stop, self._redis.aclose, self.metrics.close]  # fmt: skip
         if self.pool is not None:
             pool = self.pool
             closers.insert(0, lambda: pool.close(commit=False))

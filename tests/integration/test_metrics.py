@@ -266,11 +266,14 @@ async def test_discovery_lists_every_live_process_and_their_metrics_agree(h: Har
             assert any(s.name == "ferry_kafka_consumer_lag" and s.labels["topic"].endswith(wid) for s in samples)
         front = by_id[fe.settings.frontend_id]
         assert front["labels"]["role"] == "frontend" and front["targets"] == [url.removeprefix("http://")]
-        # A worker that stops drops out of the next answer.
+        # A worker that stops drops out of the next answer, and its /metrics server is gone with it.
+        stopped = workers[1].worker.heartbeat.metrics_url
         await workers[1].stop()
         await fe.pool.refresh()
         groups = (await c.get("/discovery/prometheus")).json()
         assert workers[1].worker.settings.worker_id not in {g["labels"]["ferry_id"] for g in groups}
+        with pytest.raises(httpx.ConnectError):
+            await c.get(stopped)
     # The frontend's own replies reader reports its lag.
     assert any(
         s.name == "ferry_kafka_consumer_lag" for f in fe.metrics.registry.collect() for s in f.samples
