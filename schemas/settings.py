@@ -62,8 +62,8 @@ class CommonSettings:
     model_path: str = dataclasses.field(
         default_factory=default_model_path,
         metadata=_help(
-            "model directory (tokenizer, config), or a GGUF file: converted once into "
-            "$FERRY_HOME/models/<file name without .gguf>, which later starts reuse",
+            "model directory (tokenizer, config), or a GGUF file: converted once into a directory under "
+            "$FERRY_HOME/models named after the file, which later starts reuse",
             default=f"$FERRY_HOME/models/{DEFAULT_MODEL_NAME}",
         ),
     )
@@ -71,7 +71,7 @@ class CommonSettings:
         default="",
         metadata=_help(
             "model name clients ask for",
-            default=f"{DEFAULT_MODEL_NAME}; for a GGUF --model, its file name without .gguf",
+            default=f"{DEFAULT_MODEL_NAME}; for a GGUF --model, the file name without .gguf",
         ),
     )
     heartbeat_interval_s: float = dataclasses.field(
