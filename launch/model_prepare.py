@@ -144,6 +144,8 @@ def prepare_model(
     if not force and is_complete(out_dir, source):
         log.info("model already prepared in %s", out_dir)
         return out_dir
+    if gguf is not None:
+        check_gguf(gguf)  # before anything is created for a path that holds no GGUF file
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(out_dir):
         # Another process may have finished the same build while this one waited for the lock.
@@ -152,7 +154,6 @@ def prepare_model(
             return out_dir
         _check_replaceable(out_dir)
         gguf = find_gguf() if gguf is None else Path(gguf).expanduser().absolute()
-        check_gguf(gguf)
         _remove_leftovers(out_dir)
         started = time.monotonic()
         work = Path(tempfile.mkdtemp(prefix=_partial_prefix(out_dir), dir=out_dir.parent))

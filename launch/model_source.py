@@ -46,7 +46,7 @@ def resolve_model(settings: S) -> S:
     else:
         log.info(
             "--model %s is a GGUF file: converting it into the model directory %s, once (later starts reuse "
-            "it); a 100 MB file takes about 40 s on two cores",
+            "it); about a minute for a 100 MB file on two CPU cores",
             path,
             out,
         )
