@@ -12,7 +12,7 @@ commands:
   up              the whole system on this machine: embedded Kafka and Redis, a frontend, N workers
   frontend        one frontend process (OpenAI API)
   worker          one worker process (engine behind a Kafka topic)
-  model prepare   build the default model directory (SmolLM2-135M-Instruct) once
+  model prepare   build a model directory once: the default model (SmolLM2-135M-Instruct) or a GGUF file
   batch           submit a JSONL batch, follow it, fetch its results, cancel it (`ferry batch --help`)
   usage           tenants' usage from the usage topic, by tenant, model or key (`ferry usage --help`)
   planner         the autoscaler: sizes the worker fleet to TTFT/ITL targets (Kubernetes, KEDA)
@@ -32,13 +32,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd == "up":
         import uvloop
 
-        from launch.stack import load_stack, run_stack
+        from launch.stack import load_stack, resolve_stack_model, run_stack
 
         stack = load_stack(rest)
         logging.basicConfig(
             level=stack.frontend.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-        return uvloop.run(run_stack(stack))
+        return uvloop.run(run_stack(resolve_stack_model(stack)))
     if cmd == "frontend":
         from launch.frontend import main as frontend_main
 

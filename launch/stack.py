@@ -15,6 +15,8 @@ from typing import Any
 
 from launch.autoscale import LocalPlanner, LocalWorkers, start_planner
 from launch.flags import ENGINE_EPILOG, EPILOG, add_flags, from_namespace, given, split_engine_flags, to_argv
+from launch.model_prepare import ModelPrepareError
+from launch.model_source import resolve_model
 from launch.monitor import Monitor, start_monitor
 from launch.services import Child, free_port, start_broker, start_redis
 from schemas.ops_settings import PlannerPolicySettings
@@ -41,6 +43,8 @@ class Stack:
     planner: PlannerPolicySettings = dataclasses.field(default_factory=PlannerPolicySettings)
     # vLLM's own engine flags, passed to every worker after `--`.
     engine_flags: list[str] = dataclasses.field(default_factory=list)
+    # The settings given as flags, which the children are passed.
+    passed: set[str] = dataclasses.field(default_factory=set)
 
 
 def stack_parser() -> argparse.ArgumentParser:
@@ -85,7 +89,24 @@ def load_stack(argv: Sequence[str] | None = None) -> Stack:
             f"--min-workers {planner.min_workers} and --max-workers {planner.max_workers}"
         )
     return Stack(settings, frontend, worker, to_argv(frontend, only=passed), to_argv(worker, only=passed),
-                 planner, engine_flags)  # fmt: skip
+                 planner, engine_flags, passed)  # fmt: skip
+
+
+def resolve_stack_model(stack: Stack) -> Stack:
+    """`stack` with a GGUF `--model` converted here, once, before any child starts: the children are given
+    the model directory and the served name derived from the file (launch/model_source.py)."""
+    try:
+        worker = resolve_model(stack.worker)
+    except ModelPrepareError as exc:
+        raise SystemExit(f"ferry up: {exc}") from None
+    if worker.model_path == stack.worker.model_path:
+        return stack
+    frontend = dataclasses.replace(stack.frontend, model_path=worker.model_path)
+    passed = stack.passed | {"model_path", "served_model_name"}
+    return dataclasses.replace(
+        stack, frontend=frontend, worker=worker, frontend_flags=to_argv(frontend, only=passed),
+        worker_flags=to_argv(worker, only=passed), passed=passed,
+    )  # fmt: skip
 
 
 def _worker_argv(stack: Stack, kafka: str, redis: str, name: str) -> list[str]:

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 import uvloop
 
 from launch.flags import load_with_engine_flags
+from launch.model_prepare import ModelPrepareError
+from launch.model_source import resolve_model
 from schemas.settings import WorkerSettings
 from workers.engine import Engine
 from workers.engine_choice import build_engine
@@ -35,9 +37,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
     try:
-        # Before anything connects: a flag vLLM does not know, or one Ferry owns, is refused here.
+        # Before anything connects: a --model that is no model, a flag vLLM does not know, or one Ferry
+        # owns, is refused here.
+        settings = resolve_model(settings)
         engine = build_engine(settings, engine_flags)
-    except ValueError as e:
+    except (ValueError, ModelPrepareError) as e:
         print(f"ferry worker: error: {e}", file=sys.stderr)
         return 2
     return uvloop.run(_amain(settings, engine))

@@ -45,6 +45,13 @@ def default_model_path() -> str:
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
+def default_served_name(model_path: str) -> str:
+    """The name clients ask for when none is set: a GGUF file's name without `.gguf` (the name of the
+    directory it is converted into), else the default model's, whatever the directory."""
+    path = Path(model_path)
+    return path.stem if path.suffix.lower() == ".gguf" and not path.is_dir() else DEFAULT_MODEL_NAME
+
+
 @dataclasses.dataclass(kw_only=True)
 class CommonSettings:
     """Where the shared services are."""
@@ -55,11 +62,17 @@ class CommonSettings:
     model_path: str = dataclasses.field(
         default_factory=default_model_path,
         metadata=_help(
-            "model directory (tokenizer, config)", default=f"$FERRY_HOME/models/{DEFAULT_MODEL_NAME}"
+            "model directory (tokenizer, config), or a GGUF file: converted once into a directory under "
+            "$FERRY_HOME/models named after the file, which later starts reuse",
+            default=f"$FERRY_HOME/models/{DEFAULT_MODEL_NAME}",
         ),
     )
     served_model_name: str = dataclasses.field(
-        default=DEFAULT_MODEL_NAME, metadata=_help("model name clients ask for")
+        default="",
+        metadata=_help(
+            "model name clients ask for",
+            default=f"{DEFAULT_MODEL_NAME}; for a GGUF --model, the file name without .gguf",
+        ),
     )
     heartbeat_interval_s: float = dataclasses.field(
         default=1.0, metadata=_help("seconds between worker heartbeats; a worker is dead after 3 missed")
@@ -104,6 +117,11 @@ class CommonSettings:
         default=1 << 30,
         metadata=_help("retention.bytes (per partition) of every topic Ferry creates; -1 = no size bound"),
     )
+
+    def __post_init__(self) -> None:
+        # Every process derives the same name from the same --model, so a frontend and its workers agree.
+        if not self.served_model_name:
+            self.served_model_name = default_served_name(self.model_path)
 
 
 @dataclasses.dataclass(kw_only=True)

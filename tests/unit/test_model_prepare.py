@@ -177,3 +177,9 @@ def test_prepare_converts_any_gguf_file(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert (marker["source"], marker["gguf_file"]) == (source, gguf.name)
     assert model_prepare.main(["--gguf", str(gguf), "--quiet"]) == 0 and len(calls) == 1  # built once
     assert model_prepare.main(["--gguf", str(tmp_path / "missing.gguf"), "--quiet"]) == 1
+    (tmp_path / "page.gguf").write_text("<html>not found</html>")
+    assert model_prepare.main(["--gguf", str(tmp_path / "page.gguf"), "--quiet"]) == 1
+    assert sorted(p.name for p in (tmp_path / "home" / "models").iterdir()) == [
+        ".Other-1B.Q8_0.lock",
+        out.name,
+    ]
