@@ -121,12 +121,21 @@ class PhaseResult:
 # ---- load generation -----------------------------------------------------------------------------
 
 
-def chat_body(model: str, max_tokens: int, i: int) -> bytes:
-    """A short streamed chat request that generates exactly `max_tokens` tokens."""
+def prompt_text(i: int, words: int) -> str:
+    """A prompt of `words` words; 0 gives the short one-line question. Request `i` gets its own words, so no
+    two prompts share a prefix beyond the chat template."""
+    if words <= 0:
+        return f"Tell me about ferry crossing number {i}."
+    rng = random.Random(i)
+    return " ".join([f"crossing{i}", *(rng.choice(_WORDS) for _ in range(words - 1))])
+
+
+def chat_body(model: str, max_tokens: int, i: int, prompt_words: int = 0) -> bytes:
+    """A streamed chat request that generates exactly `max_tokens` tokens (`prompt_text` is its prompt)."""
     return msgspec.json.encode(
         {
             "model": model,
-            "messages": [{"role": "user", "content": f"Tell me about ferry crossing number {i}."}],
+            "messages": [{"role": "user", "content": prompt_text(i, prompt_words)}],
             "stream": True,
             "stream_options": {"include_usage": True},
             "max_tokens": max_tokens,

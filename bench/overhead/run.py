@@ -47,7 +47,7 @@ async def measure(
     before = stack.snapshot()
     stats, wall = await run_streams(
         stack.host, stack.port, concurrency, args.requests_per_level, seconds,
-        functools.partial(chat_body, model, args.max_tokens),
+        functools.partial(chat_body, model, args.max_tokens, prompt_words=args.prompt_words),
     )  # fmt: skip
     cpu = stack.usage(before, stack.snapshot())
     server = server_means(metrics_before, await scrape_metrics(stack))
@@ -164,7 +164,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     floor = await kafka_floor(stack.kafka, args.floor_round_trips, args.floor_fetch_wait_ms)
                 # Connections, topics, code paths: warm, not measured.
                 await run_streams(
-                    stack.host, stack.port, 4, 40, 3.0, functools.partial(chat_body, model, args.max_tokens)
+                    stack.host,
+                    stack.port,
+                    4,
+                    40,
+                    3.0,
+                    functools.partial(chat_body, model, args.max_tokens, prompt_words=args.prompt_words),
                 )
             result, prof = await run_phase(args, phase, stack, model, model_dir)
             results.append(result)
@@ -212,6 +217,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "workers": args.workers,
             "speedup": args.speedup,
             "max_tokens": args.max_tokens,
+            "prompt_words": args.prompt_words,
             "concurrency": args.concurrency,
             "requests_per_level": args.requests_per_level,
             "level_seconds": args.level_seconds,
