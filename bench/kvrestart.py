@@ -170,7 +170,7 @@ def cli() -> None:
             f"({ratio:.2f}x steady), failed {a['failed']}, {a['seconds']:.1f}s"
         )
     if args.out is not None:
-        args.out.write_text(json.dumps(out, indent=1))
+        args.out.write_text(json.dumps(out, indent=1, default=str))
 
 
 if __name__ == "__main__":

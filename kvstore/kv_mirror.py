@@ -6,6 +6,7 @@ Workers keep their own (`WorkerBlocks`, for the snapshots they write); frontends
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVLogRecord, is_host
@@ -78,6 +79,27 @@ class KVMirror:
     def forget(self, worker_id: str) -> None:
         """Drop a worker (it left for good)."""
         self.workers.pop(worker_id, None)
+
+    def overlaps(self, chain: list[int], among: Collection[str]) -> dict[str, tuple[int, int]]:
+        """For each of the workers `among` holding the chain's first block: (leading blocks held on either
+        tier, how many of them only on host), as the Redis index's lookup answers."""
+        out: dict[str, tuple[int, int]] = {}
+        for wid in among:
+            w = self.workers.get(wid)
+            if w is None:
+                continue
+            n = host = 0
+            for h in chain:
+                if h in w.device:
+                    n += 1
+                elif h in w.host:
+                    n += 1
+                    host += 1
+                else:
+                    break
+            if n:
+                out[wid] = (n, host)
+        return out
 
     def blocks(self) -> int:
         """Blocks held, summed over workers."""

@@ -82,7 +82,8 @@ class KVIndexer:
         self._swept: int | None = None  # the epoch whose old topics were last deleted
         self.caught_up = False  # the reader reached the log's end at least once
         self.holder = False
-        self._marker: str | None = None
+        self._marker: str | None = None  # the registry marker last read
+        self._seen = False  # a marker was read once
         # A write-back round is due until then (monotonic), and the workers it has handled.
         self._due_until: float | None = None
         self.handled: set[str] = set()
@@ -122,6 +123,12 @@ class KVIndexer:
                 await self._redis.delete(self._keys.kv_lease(self._model))
             except Exception as exc:
                 log.warning("KV indexer lease not given up: %r", exc)
+
+    def overlaps(self, model: str, chain: list[int]) -> dict[str, tuple[int, int]]:
+        """The router's lookup answered from the mirror, over the workers the frontend sees."""
+        if model != self._model:
+            return {}
+        return self.mirror.overlaps(chain, self._workers())
 
     def detail(self) -> dict[str, Any]:
         """What `/ready` says about the index."""
@@ -176,21 +183,20 @@ class KVIndexer:
                 await self.tick()
             except Exception as exc:
                 log.debug("KV indexer round failed: %r", exc)  # Redis away: the pool logs that once
-            await asyncio.sleep(self._s.heartbeat_interval_s / 2)
+            await asyncio.sleep(self._s.heartbeat_interval_s / 4)
 
     async def tick(self) -> None:
         """One round: notice an emptied Redis, take or renew the lease, write back what is due, sweep."""
         raw = await self._redis.get(self._keys.registry_marker())
-        if raw is not None:
-            marker = raw.decode() if isinstance(raw, bytes) else str(raw)
-            if marker != self._marker:
-                if self._marker is not None:
-                    log.warning("Redis lost the KV index: writing it back from the KV log")
-                # A marker seen before and now another: Redis lost everything. Seen first: a cold start.
-                self._force = self.rebuilding = self._marker is not None
-                self._marker = marker
-                self._due_until = time.monotonic() + 2 * HEARTBEAT_MISSES * self._s.heartbeat_interval_s
-                self.handled = set()
+        marker = None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
+        # No marker at all is news too: every registry read sets it, so Redis was just emptied.
+        if marker != self._marker and (marker is not None or self._seen):
+            if not self._seen:
+                self._start_round(force=False)  # a cold start
+            elif self._marker is not None:
+                log.warning("Redis lost the KV index: writing it back from the KV log")
+                self._start_round(force=True)
+            self._seen, self._marker = True, marker
         lease_ms = int(HEARTBEAT_MISSES * self._s.heartbeat_interval_s * 1000)
         self.holder = bool(
             await self._lease(keys=[self._keys.kv_lease(self._model)], args=[self._s.frontend_id, lease_ms])
@@ -218,6 +224,13 @@ class KVIndexer:
         if self.holder:
             await self._sweep()
         self._forget_gone()
+
+    def _start_round(self, force: bool) -> None:
+        """A write-back is due; `force`: Redis lost everything (else: a cold start, only what it lacks)."""
+        self._force = self.rebuilding = force
+        self._due_until = time.monotonic() + 2 * HEARTBEAT_MISSES * self._s.heartbeat_interval_s
+        self.handled = set()
+        self._g_rebuilding.set(int(self.rebuilding))
 
     def _candidates(self) -> dict[str, WorkerBlocks]:
         """Mirrored workers the frontend knows (kept ones too) not yet written back or rejected this round."""

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 
+from kvstore.hashing import block_hashes, chain_seed
 from kvstore.kv_mirror import KVMirror
 from schemas.kv_events import (
     MEDIUM_HOST,
@@ -14,6 +17,8 @@ from schemas.kv_events import (
     KVEventBatch,
     KVLogRecord,
 )
+from schemas.settings import RouterSettings
+from schemas.status import WorkerStatus
 from workers import kv_log
 from workers.kv_log import KVLog
 from workers.metrics import WorkerMetrics
@@ -23,7 +28,9 @@ def ev(wid: str, seq: int, *events: KVEvent, inc: float = 1.0) -> KVLogRecord:
     return KVLogRecord(wid, inc, seq, float(seq), events=list(events))
 
 
-def snap(wid: str, seq: int, device: list[int], host: list[int] | None = None, inc: float = 1.0) -> KVLogRecord:
+def snap(
+    wid: str, seq: int, device: list[int], host: list[int] | None = None, inc: float = 1.0
+) -> KVLogRecord:
     return KVLogRecord(wid, inc, seq, float(seq), snapshot=True, device=device, host=host or [])
 
 
@@ -100,3 +107,53 @@ def test_worker_snapshot_records_carry_the_whole_cache_in_pieces() -> None:
     w = m.workers["w"]
     assert w.whole and w.device == set(device) - {5} and w.host == {100, 101}
     assert [r.seq for r in records] == [1, 2, 3, 4]
+
+
+def test_the_mirror_answers_lookups_like_the_index() -> None:
+    """Leading blocks per worker on either tier (host-only ones counted apart), only for the workers asked
+    about: a worker the frontend no longer sees is never a candidate."""
+    m = KVMirror()
+    m.apply(snap("a", 1, [1, 2, 3]))
+    m.apply(snap("b", 1, [1], [2, 3, 4]))
+    m.apply(snap("gone", 1, [1, 2, 3, 4]))
+    m.apply(snap("c", 1, [2, 3]))  # not the first block: no overlap
+    assert m.overlaps([1, 2, 3, 4], ["a", "b", "c", "unknown"]) == {"a": (3, 0), "b": (4, 3)}
+
+
+class _Standby:
+    def __init__(self, mirror: KVMirror, rebuilding: bool) -> None:
+        self.mirror, self.rebuilding = mirror, rebuilding
+
+    def overlaps(self, model: str, chain: list[int]) -> dict[str, tuple[int, int]]:
+        return self.mirror.overlaps(chain, ["a", "b"])
+
+
+class _EmptiedIndex:
+    def __init__(self) -> None:
+        self.fail = False
+
+    async def tiered_overlaps(self, model: str, chain: list[int]) -> dict[str, tuple[int, int]]:
+        if self.fail:
+            raise ConnectionError("redis down")
+        return {}  # Redis came back empty
+
+
+async def test_the_router_asks_the_mirror_while_the_index_is_rebuilt_or_down() -> None:
+    from server.metrics import FrontendMetrics
+    from server.router import PromptMemo, Router
+
+    tokens = list(range(160))
+    chain = block_hashes(tokens, 16, chain_seed("m"))
+    mirror = KVMirror()
+    mirror.apply(snap("b", 1, chain))
+    workers = [WorkerStatus(w, "m", "sim", 16, 1000, 4096, 0.0, 0.0) for w in ("a", "b")]
+    index = _EmptiedIndex()
+    router = Router(RouterSettings(), FrontendMetrics(), index, random.Random(0))  # type: ignore[arg-type]
+    standby = _Standby(mirror, rebuilding=True)
+    router.standby = standby
+    d = await router.choose("m", workers, PromptMemo(tokens, max_tokens=4))
+    assert (d.worker_id, d.predicted_cached_blocks) == ("b", 10)
+    standby.rebuilding = False  # rebuilt: the index answers again (here: nothing)
+    assert (await router.choose("m", workers, PromptMemo(tokens, max_tokens=4))).predicted_cached_blocks == 0
+    index.fail = True  # unreachable: the mirror answers
+    assert (await router.choose("m", workers, PromptMemo(tokens, max_tokens=4))).predicted_cached_blocks == 10
