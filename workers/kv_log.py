@@ -142,9 +142,10 @@ class KVLog:
             topic, key = kv_log_topic(self._model, epoch), self._worker_id.encode()
             for rec in self._records(snapshot):
                 await send_and_wait(self._producer, topic, _encoder.encode(rec), key)
+                self._metrics.kv_log_records.labels("snapshot" if rec.snapshot else "events").inc()
         except Exception as exc:
             self._epoch = None  # what may be lost is replaced by the next record, a snapshot
-            self._metrics.kv_publish_errors.inc()
+            self._metrics.kv_log_errors.inc()
             if self._ok:
                 log.warning("KV log not written (%r); a snapshot follows once it works", exc)
                 self._ok = False
