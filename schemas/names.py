@@ -72,13 +72,6 @@ def kv_log_topic(model: str, epoch: int) -> str:
     return f"ferry.kv.{slug(model)}.e{epoch}"
 
 
-def kv_log_epoch(topic: str, model: str) -> int | None:
-    """The epoch of `model`'s KV log topic `topic` (None: another topic)."""
-    head = f"ferry.kv.{slug(model)}.e"
-    tail = topic[len(head) :] if topic.startswith(head) else ""
-    return int(tail) if tail.isdigit() else None
-
-
 class RedisKeys:
     """Every Redis key Ferry uses, under one configurable prefix."""
 

@@ -7,6 +7,7 @@ round-robin (so both hold blocks); the index is checked in Redis itself: each wo
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +20,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError
 
+from bus.topics import existing_topics
 from kvstore.hashing import block_hashes, chain_seed
 from kvstore.kv_index import KVIndex
 from launch.services import Child, start_redis
-from schemas.names import RedisKeys
+from schemas.names import RedisKeys, kv_log_topic
 from server.frontend import Frontend
 from tests.harness import Harness, RunningWorker, harness, until
 
@@ -193,3 +195,38 @@ async def test_a_cleared_cache_and_a_killed_worker_are_not_written_back(
     await _rebuilt(fe)  # the round is over: nothing more will be written back
     assert not await client.exists(RedisKeys(prefix).worker_blocks(killed_id))
     assert not await client.exists(RedisKeys(prefix).worker_blocks(cleared_id))
+
+
+async def test_the_log_rolls_old_epochs_are_deleted_and_snapshots_carry_the_state(
+    kafka: str, hh: Harness, own: OwnRedis, client: aioredis.Redis, prefix: str
+) -> None:
+    """With 1 s epochs, the blocks stored in the first one are, epochs later, only in the worker's snapshots:
+    the lease holder deleted the epochs before the previous one, and a cold frontend started after Redis
+    and the first frontend went away reads the last two epochs and gets every block back."""
+    roll = {"kv_log_roll_s": 1.0}
+    a = await hh.add_worker(**roll)
+    wid = a.worker.settings.worker_id
+    _fe, url = await hh.add_frontend(**roll)
+    await _serve(url, [_prompt(i, 10) for i in range(30, 32)])
+    before = await _logged(client, prefix, [a])
+    first = int(time.time())
+    await asyncio.sleep(4.5)  # four epochs turn: the wall clock is what rolls the log
+    now = int(time.time())
+    found = await existing_topics(kafka, [kv_log_topic(MODEL, n) for n in range(first - 2, now + 2)])
+    assert kv_log_topic(MODEL, first) not in found, found
+    assert kv_log_topic(MODEL, now - 1) in found, found  # the log goes on
+    server, task = hh._servers.pop()
+    server.should_exit = True
+    await task
+    await own.restart_empty()
+
+    async def registered() -> bool:
+        return bool(await client.exists(RedisKeys(prefix).worker(wid)))
+
+    await until(registered, 10)
+    await hh.add_frontend(**roll)
+
+    async def back() -> bool:
+        return await _held(client, prefix, wid) == before[wid]
+
+    await until(back, 15)
