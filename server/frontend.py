@@ -26,6 +26,7 @@ from server.delivery import RequestLog
 from server.errors import APIError, model_not_found
 from server.generation import Services
 from server.kafka_io import Dispatcher, ReplyDemux
+from server.kv_indexer import KVIndexer
 from server.logprobs import LogprobFormatter
 from server.lora_admin import AckInbox, LoraAdmin
 from server.metrics import FrontendMetrics
@@ -54,6 +55,7 @@ class Frontend:
     svc: Services
     lora_admin: LoraAdmin
     background: Background
+    indexer: KVIndexer | None = None  # the KV log's indexer (server/kv_indexer.py), unless --no-kv-log
     started: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -198,6 +200,12 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
         stack.push_async_callback(_timed, "frontend announcement", lambda: registry.withdraw_frontend(s.frontend_id))
         await pool.start()
         stack.push_async_callback(_timed, "worker registry view", pool.stop)
+        indexer = None
+        if s.kv_log and s.kv_events:
+            indexer = KVIndexer(s, redis, keys, index, lambda: pool.workers, metrics)
+            await indexer.start()
+            router.standby = indexer  # answers the router while the index is rebuilt or unreachable
+            stack.push_async_callback(_timed, "KV indexer", indexer.stop)
         await ensure_topics(s.kafka, {acks.topic: 1}, short)  # with its retention, before the reader makes it
         await acks.start()
         stack.push_async_callback(_timed, "admin ack reader", acks.stop)
@@ -205,6 +213,7 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
         fe = Frontend(
             settings=s, metrics=metrics, model=model, pre=Preprocessor(model, s.tokenize_threshold_chars, s.tool_call_parser),
             fmt=LogprobFormatter(model), svc=svc, lora_admin=LoraAdmin(acks, producer, pool, s.served_model_name), background=background,
+            indexer=indexer,
         )  # fmt: skip
         log.info(
             "frontend %s serving %s on http://%s:%d (policy %s, %d worker(s) live)",

@@ -81,6 +81,11 @@ class Heartbeat:
             heartbeat_interval_s=s.heartbeat_interval_s,
         )
 
+    @property
+    def started_at(self) -> float:
+        """When this process started (its registry status says so; the KV log names its incarnation by it)."""
+        return self._started_at
+
     async def once(self) -> None:
         """Publish the status now (raises if Redis is unreachable)."""
         if self.stopped:
