@@ -72,7 +72,7 @@ def _prompt(seed: int, blocks: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 40000 + 100 for i in range(blocks * BLOCK)]
 
 
-async def _held(c: aioredis.Redis, prefix: str, wid: str) -> set[bytes]:
+async def _held(c: aioredis.Redis, prefix: str, wid: str) -> set[bytes | str]:
     return set(await c.smembers(RedisKeys(prefix).worker_blocks(wid)))
 
 
@@ -87,7 +87,7 @@ async def _serve(url: str, prompts: list[list[int]]) -> list[str]:
         return out
 
 
-async def _logged(c: aioredis.Redis, prefix: str, workers: list[RunningWorker]) -> dict[str, set[bytes]]:
+async def _logged(c: aioredis.Redis, prefix: str, workers: list[RunningWorker]) -> dict[str, set[bytes | str]]:
     """Once every worker's KV log holds what Redis holds for it (its records went out): the Redis sets."""
 
     async def same() -> bool:
