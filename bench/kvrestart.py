@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.overhead import machine_info
 from launch.services import Child, free_port, start_broker, start_redis
 from schemas.settings import DEFAULT_MODEL_NAME, default_model_path
 
@@ -170,6 +171,7 @@ def cli() -> None:
             f"({ratio:.2f}x steady), failed {a['failed']}, {a['seconds']:.1f}s"
         )
     if args.out is not None:
+        out["machine"] = machine_info()  # the commit, and whether the tree was dirty
         args.out.write_text(json.dumps(out, indent=1, default=str))
 
 
