@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from bus.produce import TrackingProducer
 from bus.topics import RequestTopics, ensure_topics, retention
+from kvstore.connect import redis_client
 from kvstore.kv_index import KVIndex
 from kvstore.load import LoadBoard
 from kvstore.registry import Registry, reachable_host
@@ -139,7 +138,7 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
     s = settings
     template = chat_template_text(s.chat_template) if s.chat_template else None
     model = ModelFiles.load(Path(s.model_path), s.served_model_name, template)
-    redis = aioredis.from_url(s.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
+    redis = redis_client(s.redis)
     keys = RedisKeys(s.redis_prefix)
     index = KVIndex(redis, keys)
     board = LoadBoard(redis, keys)

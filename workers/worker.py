@@ -9,12 +9,12 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 
-import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
 
 from bus.produce import TrackingProducer, refresh_metadata
 from bus.topics import ensure_topics, retention
 from kvstore.batch_store import BatchStore
+from kvstore.connect import redis_client
 from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
 from schemas.kafka import ErrorInfo, GenerateRequest
@@ -48,7 +48,7 @@ class Worker:
         self.engine = engine
         self.engine_name = engine_name
         self.metrics = WorkerMetrics()
-        self._redis = aioredis.from_url(s.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._redis = redis_client(s.redis)
         keys = RedisKeys(s.redis_prefix)
         index = self._index = KVIndex(self._redis, keys)
         self._kv = KVPublisher(index, s.worker_id, s.served_model_name, self.metrics)
