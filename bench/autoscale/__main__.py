@@ -144,10 +144,12 @@ async def run_system(
     front = await Child.spawn("frontend", [sys.executable, "-m", "launch", "frontend", "--port", str(port),
                                            "--kafka", kafka, "--redis", redis, "--model-path", args.model_path,
                                            "--heartbeat-interval-s", "0.5", "--log-level", "warning"], echo=False)  # fmt: skip
+    # Watched from now: the frontend may be ready while the workers are still starting.
+    front_ready = asyncio.ensure_future(front.wait_for_line(lambda ln: ln.startswith("ferry-frontend-ready"), 120))
     await actuator.scale(start)
     await asyncio.gather(*(m.child.wait_for_line(lambda ln: ln.startswith("ferry-worker-ready"), 120)
                            for m in actuator.workers.values()))  # fmt: skip
-    await front.wait_for_line(lambda ln: ln.startswith("ferry-frontend-ready"), 120)
+    await front_ready
     url = f"http://127.0.0.1:{port}"
     local = None
     stop = asyncio.Event()
