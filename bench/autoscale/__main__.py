@@ -105,6 +105,10 @@ async def one(c: httpx.AsyncClient, item: WorkItem, t0: float) -> Result:
     return Result(start - t0, True, first - start, (last - first) / max(tokens - 1, 1))
 
 
+# The default model's context, which trace_workload fills up to (prompt + output).
+MAX_MODEL_LEN = 8192
+
+
 def arrivals(ramp_s: float, base: float, seed: int) -> list[float]:
     """Poisson arrival times whose rate rises from base to 10x base at ramp_s/2 and back (thinning)."""
     rng, peak, t = random.Random(seed), 10 * base, 0.0
@@ -256,10 +260,13 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="the conversation trace (JSONL)")
     ap.add_argument("--model-path", default=str(default_model_dir()))
     args = ap.parse_args(argv)
-    work = trace_workload(read_trace(args.trace), max_requests=5_000)
-    items = [
-        dataclasses.replace(i, max_tokens=max(4, min(i.max_tokens, args.max_tokens))) for i in work.items
-    ]
+    work = trace_workload(read_trace(args.trace), max_requests=5_000, max_model_len=MAX_MODEL_LEN)
+    items = []
+    for i in work.items:
+        # At least 4 tokens, so every request has gaps to time; the prompt gives way where that would
+        # overflow the context (the workload fills it to the brim for its own output lengths).
+        n = max(4, min(i.max_tokens, args.max_tokens))
+        items.append(dataclasses.replace(i, max_tokens=n, prompt=i.prompt[: MAX_MODEL_LEN - n]))
     times = arrivals(args.ramp_s, args.base_rate, args.seed)
     report: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "offered_requests": len(times),
                               "workload": work.description, "systems": []}  # fmt: skip
