@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from bench.overhead import machine_info
 from bench.routing.client import request_body
 from bench.workload import DEFAULT_TRACE, WorkItem, read_trace, trace_workload
 from launch.autoscale import LocalWorkers, start_planner
@@ -268,7 +269,8 @@ async def main(argv: list[str] | None = None) -> int:
         n = max(4, min(i.max_tokens, args.max_tokens))
         items.append(dataclasses.replace(i, max_tokens=n, prompt=i.prompt[: MAX_MODEL_LEN - n]))
     times = arrivals(args.ramp_s, args.base_rate, args.seed)
-    report: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "offered_requests": len(times),
+    report: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "machine": machine_info(),
+                              "offered_requests": len(times),
                               "workload": work.description, "systems": []}  # fmt: skip
     for name in args.systems.split(","):
         print(f"== {name}: {len(times)} requests over {args.ramp_s:.0f}s", flush=True)
