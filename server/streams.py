@@ -76,6 +76,7 @@ class Sequence:
     handoff: Decision | None = None
     kv_from: KVFrom | None = None
     placement: str = "off"
+    decode_worker: str = ""
 
     @property
     def worker_id(self) -> str:
