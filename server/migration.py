@@ -373,7 +373,9 @@ class Mover:
             req.end(seq, Chunk(seq.request_id, seq.next_seq, finish_reason="length", usage=usage,
                                worker_id=old, attempt=seq.attempt))  # fmt: skip
             return None
-        log.warning(
+        # A hand-off to the decode worker is the normal course of a disaggregated sequence, not a failure.
+        log.log(
+            logging.DEBUG if kv_from else logging.WARNING,
             "moving %s from worker %s to %s (attempt %d, %d token(s) so far)",
             seq.request_id, old, decision.worker_id, target, len(generated),
         )
