@@ -335,7 +335,6 @@ class Mover:
         svc, req = self._svc, self._req
         # A move abandoned before its request went out leaves the worker that really runs the sequence here.
         old = seq.moved_from or seq.decision.worker_id
-        handoff, kv_from = self._take_handoff(seq)
         if seq.moves > svc.migration_limit:
             self._fail(
                 seq,
@@ -343,6 +342,7 @@ class Mover:
                 f"(migration limit {svc.migration_limit})",
             )
             return None
+        handoff, kv_from = self._take_handoff(seq)
         decision = handoff or await self._reroute(seq, old)
         if decision is None or seq.finished or req.closed or not req.submitted(seq):
             if handoff is not None:
@@ -383,13 +383,18 @@ class Mover:
         try:
             # No cancel behind a timed-out copy: the next copy is the same attempt and must run (the worker
             # runs whichever arrives first and drops the other as a duplicate).
-            await self._while_broker_away(
+            offset = await self._while_broker_away(
                 lambda: svc.dispatcher.submit(decision.worker_id, request, cancel_on_timeout=False)
             )
         except APIError as exc:
             self._fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc.message}")
             return None
         svc.metrics.migrations.labels(seq.move_reason, "moved").inc()
+        if kv_from is not None:
+            # A hand-off is every disaggregated sequence's course, and its decode worker may queue it for long:
+            # it gets a first attempt's delivery check, not a move's timer.
+            self.watch(seq, request, offset)
+            return None
         return request
 
     def _take_handoff(self, seq: Sequence) -> tuple[Decision | None, KVFrom | None]:
