@@ -4,8 +4,9 @@ When the live workers of a model include prefill workers (`ferry worker --role p
 will decode gets two decisions: a decode worker (role decode or both), chosen first by the usual `kv` cost
 among those workers (decode load, and what of the prompt it caches: a conversation's earlier turns were
 decoded there); and, unless the prompt's uncached part on that worker is shorter than
-`--disagg-min-uncached-tokens` (then it prefills there itself: conditional disaggregation), a prefill
-worker chosen by the same cost among the prefill workers, charged prefill only. The sequence starts on the
+`--disagg-min-uncached-tokens` (then it prefills there itself: conditional disaggregation, also taken when
+every prefill worker is busy), a prefill worker chosen by the same cost among the prefill workers, charged
+prefill only. The sequence starts on the
 prefill worker as a one-token, prefill-only attempt; its token reaches the client as the first token, and
 the frontend then moves the sequence to the decode worker with a `kv_from` descriptor (server/migration.py,
 `Mover.hand_off`). Aggregated routing and every migration choose among the workers that decode only.
@@ -19,7 +20,7 @@ from typing import Literal
 
 from schemas.kafka import KVFrom
 from schemas.status import WorkerStatus
-from server.router import Decision, PromptMemo, Router
+from server.router import AllBusy, Decision, PromptMemo, Router
 
 # How a sequence was placed: aggregated (no prefill workers, or nothing to decode), prefilled on a prefill
 # worker and decoded elsewhere, or prefilled locally on its decode worker (short uncached part).
@@ -55,8 +56,12 @@ async def place(router: Router, model: str, workers: list[WorkerStatus], memo: P
     uncached = len(memo.tokens) - decode.predicted_cached_blocks * block_size
     if uncached < router.config.disagg_min_uncached_tokens:
         return Placement(decode, mode="local")
+    prefill_memo = PromptMemo(memo.tokens, memo.lora_name, max_tokens=1, hashes=memo.hashes)
+    try:
+        first = await router.choose(model, prefill, prefill_memo)
+    except AllBusy:
+        # Every prefill worker is over a busy threshold: better prefilled by the decode worker now than queued.
+        return Placement(decode, mode="local")
     # The decode worker computes only what the prefill worker does not send (less than a block).
     decode = dataclasses.replace(decode, prefill_tokens=0)
-    prefill_memo = PromptMemo(memo.tokens, memo.lora_name, max_tokens=1, hashes=memo.hashes)
-    first = await router.choose(model, prefill, prefill_memo)
     return Placement(first, decode, "remote", KVFrom(first.worker_id, len(memo.tokens) // block_size))
