@@ -37,10 +37,12 @@ def body(max_tokens: int = 40, **kw: Any) -> dict[str, Any]:
     }
 
 
-async def read(url: str, b: dict[str, Any]) -> tuple[httpx.Headers, list[tuple[str | None, str]]]:
+async def read(
+    url: str, b: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[httpx.Headers, list[tuple[str | None, str]]]:
     async with (
         httpx.AsyncClient(base_url=url, timeout=60) as c,
-        c.stream("POST", "/v1/chat/completions", json=b) as r,
+        c.stream("POST", "/v1/chat/completions", json=b, headers=headers) as r,
     ):
         assert r.status_code == 200, await r.aread()
         async with asyncio.timeout(30):  # never a hang
@@ -89,7 +91,7 @@ async def test_disaggregated_stream_is_the_aggregated_one_with_its_first_token_f
     # A second frontend over the same workers whose threshold makes every prompt "short": it prefills on the
     # decode worker itself (conditional disaggregation), i.e. serves aggregated: the reference.
     _, local_url = await h.add_frontend(disagg_min_uncached_tokens=1_000_000)
-    headers, events = await read(disagg_url, body())
+    headers, events = await read(disagg_url, body(), {"x-ferry-resumable": "1"})
     assert headers["x-ferry-disagg"] == "remote"
     assert headers["x-ferry-worker"] == wid(prefill)
     assert headers["x-ferry-decode-worker"] == wid(decode)
@@ -108,6 +110,11 @@ async def test_disaggregated_stream_is_the_aggregated_one_with_its_first_token_f
     assert_complete(reference, 40)
     assert (generated(prefill), generated(decode)) == (1, 79)  # served whole on the decode worker
     assert text_of(events) == text_of(reference)
+    # The hand-off is a move in the replies topic too: another replica replays the same events.
+    async with httpx.AsyncClient(base_url=local_url, timeout=60) as c:
+        async with c.stream("GET", f"/v1/chat/completions/{headers['x-request-id']}/stream") as r:
+            assert r.status_code == 200
+            assert [e async for e in sse_events(r)] == events
 
 
 async def test_short_prompt_is_prefilled_on_the_decode_worker(h: Harness) -> None:
