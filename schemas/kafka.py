@@ -58,8 +58,9 @@ class KVFrom(msgspec.Struct, frozen=True):
     """Where a disaggregated sequence's prompt KV cache comes from: the prefill worker that computed it."""
 
     worker_id: str
-    # Leading full prompt blocks that worker holds (the receiving engine takes them instead of computing).
-    blocks: int
+    # Leading prompt tokens whose KV that worker computed (the receiving engine takes it instead of computing
+    # it): the whole prompt, in blocks of the model's block size, the last one possibly partial.
+    tokens: int
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", omit_defaults=True, frozen=True):

@@ -34,7 +34,7 @@ class Placement:
     first: Decision
     decode: Decision | None = None
     mode: Mode = "off"
-    # What the decode worker is told of the prompt's KV: the prefill worker and the full blocks it computes.
+    # What the decode worker is told of the prompt's KV: the prefill worker and the prompt tokens it computes.
     kv_from: KVFrom | None = None
 
 
@@ -62,6 +62,6 @@ async def place(router: Router, model: str, workers: list[WorkerStatus], memo: P
     except AllBusy:
         # Every prefill worker is over a busy threshold: better prefilled by the decode worker now than queued.
         return Placement(decode, mode="local")
-    # The decode worker computes only what the prefill worker does not send (less than a block).
+    # The decode worker computes nothing of the prompt: it receives it all.
     decode = dataclasses.replace(decode, prefill_tokens=0)
-    return Placement(first, decode, "remote", KVFrom(first.worker_id, len(memo.tokens) // block_size))
+    return Placement(first, decode, "remote", KVFrom(first.worker_id, len(memo.tokens)))

@@ -33,7 +33,7 @@ from workers.host_tier import host_tier
 from workers.sim_draws import TAG_LENGTH, TAG_STRUCTURED, TAG_TOKEN, draw, logprob, output_vocab, stream_key
 from workers.sim_output import OutputPlan, TokenSource, output_plan
 from workers.sim_timing import step_seconds
-from workers.sim_transfer import KVReceiver
+from workers.sim_transfer import KVReceiver, admission
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class _Seq:
     prefill_end: int = 0
     generated: int = 0
     cached_tokens: int | None = None
-    received: int = 0  # leading blocks received from a prefill worker, counted as computed at admission
+    received: int = 0  # leading tokens whose KV came from a prefill worker, computed as of admission
     sent_first: bool = False
     # When it was queued, and how long it waited until first scheduled (for the first output).
     queued_at: float = 0.0
@@ -390,7 +390,7 @@ class SimEngine(EngineLifecycle):
             if seq is None:
                 break
             hit_blocks = self._pool.match_prefix(seq.kv, seq.tokens)
-            computed = max(hit_blocks, seq.received) * bs  # received blocks are stored as if computed here
+            computed, prefill_end = admission(hit_blocks * bs, seq.received, len(seq.tokens))
             n = min(len(seq.tokens) - computed, budget)
             if not self._pool.allocate(seq.kv, seq.tokens, computed + n, num_hit_blocks=hit_blocks):
                 break
@@ -399,7 +399,7 @@ class SimEngine(EngineLifecycle):
             self._num_waiting -= 1
             seq.state = _State.RUNNING
             seq.num_computed = computed
-            seq.prefill_end = len(seq.tokens)
+            seq.prefill_end = prefill_end
             self._running[seq.request.request_id] = seq
             if seq.cached_tokens is None:
                 prompt_len = len(seq.request.prompt_token_ids)

@@ -1,13 +1,15 @@
 """The simulated engine's side of disaggregated serving: receiving a sequence's prompt KV from a prefill worker.
 
-A request whose `kv_from` names a prefill worker takes that worker's leading full prompt blocks instead of
-computing them: they count as computed at admission (and as cached tokens, as vLLM counts KV a connector
-loaded), are stored in this engine's pool like computed blocks (KV events as usual), and only the rest of
-the sequence (the partial last block and the prefill worker's token) is prefilled here. Receiving them
-takes `blocks x block_size x kv_bytes_per_token / bandwidth` (the formula the host tier charges its loads,
-workers/host_tier.py), for the blocks this engine does not already cache; transfers share one link, in
-arrival order. The sequence alone waits for its KV: the engine's other sequences keep stepping meanwhile,
-as a NIXL-style transfer overlaps the decode worker's compute.
+A request whose `kv_from` names a prefill worker takes the KV of the prompt tokens that worker computed
+instead of computing it: they count as computed at admission (and as cached tokens, as vLLM counts KV a
+connector loaded), and their full blocks are stored in this engine's pool like computed ones (KV events as
+usual). What is left is the prefill worker's token, whose KV a decode step computes as it does every
+sampled token's: the sequence decodes from its first step here, and its hand-off adds no prefill step to
+the worker's other sequences. Receiving the KV takes `blocks x block_size x kv_bytes_per_token / bandwidth`
+(the formula the host tier charges its loads, workers/host_tier.py) for the prompt's blocks this engine
+does not already cache (the last one may be partial); transfers share one link, in arrival order. The
+sequence alone waits for its KV: the engine's other sequences keep stepping meanwhile, as a NIXL-style
+transfer overlaps the decode worker's compute.
 """
 
 from __future__ import annotations
@@ -28,12 +30,19 @@ def transfer_seconds(blocks: int, block_size: int, kv_bytes_per_token: int, band
     return blocks * block_size * kv_bytes_per_token / (bandwidth_gbps * 1e9)
 
 
-def received_blocks(kv_from: KVFrom | None, num_tokens: int, block_size: int) -> int:
-    """Leading full blocks of a sequence of `num_tokens` taken from its prefill worker: those it holds,
-    leaving at least one token to compute (as a cache hit does)."""
+def received_tokens(kv_from: KVFrom | None, num_tokens: int) -> int:
+    """Leading tokens of a sequence of `num_tokens` whose KV comes from its prefill worker: those it computed,
+    leaving at least one token to compute here."""
     if kv_from is None:
         return 0
-    return max(0, min(kv_from.blocks, (num_tokens - 1) // block_size))
+    return max(0, min(kv_from.tokens, num_tokens - 1))
+
+
+def admission(hit_tokens: int, received: int, num_tokens: int) -> tuple[int, int]:
+    """(computed, prefill_end) of a sequence admitted with `hit_tokens` cached here and `received` tokens' KV
+    received: one left with only its last token to compute decodes (prefill_end = computed)."""
+    computed = max(hit_tokens, received)
+    return computed, computed if received and computed == num_tokens - 1 else num_tokens
 
 
 class TransferSettings(Protocol):
@@ -69,15 +78,16 @@ class KVReceiver:
     def receive(
         self, kv_from: KVFrom | None, tokens: list[int], seed: int, arrived: Callable[[], None]
     ) -> int:
-        """Start receiving a sequence's KV: returns the blocks it receives; `arrived` is called (soon or at once)
-        when they are here. Blocks this engine already caches are not sent again."""
-        n = received_blocks(kv_from, len(tokens), self._block_size)
+        """Start receiving a sequence's KV: returns the tokens it covers; `arrived` is called (soon or at once)
+        when it is here. Full blocks this engine already caches are not sent again."""
+        n = received_tokens(kv_from, len(tokens))
         if n == 0:
             arrived()
             return 0
-        hashes = block_hashes(tokens[: n * self._block_size], self._block_size, seed)
-        moved = n - self._cached_prefix(hashes)
-        self.received_blocks += n
+        bs = self._block_size
+        blocks = -(-n // bs)  # the last one may be partial
+        moved = blocks - self._cached_prefix(block_hashes(tokens[: n // bs * bs], bs, seed))
+        self.received_blocks += blocks
         self.transferred_blocks += moved
         seconds = transfer_seconds(moved, self._block_size, self._kv_bytes, self._gbps) / self._speedup
         if seconds <= 0:

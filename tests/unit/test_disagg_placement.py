@@ -27,7 +27,7 @@ async def test_prefill_worker_by_overlap_and_decode_worker_among_the_decoders() 
     assert not placed.first.decodes and placed.first.decode_blocks == 0  # charged its prefill only
     assert placed.decode is not None and placed.decode.worker_id == "d2"
     assert placed.decode.prefill_tokens == 0 and placed.decode.decode_blocks == 10
-    assert placed.kv_from is not None and (placed.kv_from.worker_id, placed.kv_from.blocks) == ("p2", 10)
+    assert placed.kv_from is not None and (placed.kv_from.worker_id, placed.kv_from.tokens) == ("p2", 160)
 
 
 async def test_conditional_local_prefill_when_the_uncached_part_is_short() -> None:
