@@ -6,14 +6,13 @@ import argparse
 import asyncio
 import json
 import math
-import os
-import platform
 import random
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.routing.client import ReplayResult, replay
+from bench.routing.run import machine_info
 from bench.stack import FerryStack
 from bench.workload import TokenBank, WorkItem, Workload, read_trace, trace_workload
 
@@ -90,6 +89,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     rows: dict[str, dict[str, Any]] = {}
     workload: Workload | None = None
+    machine = machine_info(REPO)  # load average at the start
     for name, aggregated, extra in systems(args.workers, ratios):
         salt = f"disagg-{name}-{time.time()}"  # a fresh run: nothing cached from the previous system's
         if args.workload == "trace":
@@ -113,7 +113,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{name}: {rows[name]}", flush=True)
     return {
         "command": "python -m bench.disagg " + " ".join(args.argv),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": machine,
         "workload": workload.description if workload else {},
         "speedup": args.speedup,
         "systems": rows,
