@@ -61,7 +61,7 @@ def summary(r: ReplayResult, workers: int) -> dict[str, Any]:
     return {
         "requests": len(r.results), "ok": len(ok), "not_sent": r.not_sent, "wall_s": r.wall_s,
         "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9),
-        "itl_p50_ms": pct(itl, 0.5), "itl_p90_ms": pct(itl, 0.9),
+        "itl_p50_ms": pct(itl, 0.5), "itl_p90_ms": pct(itl, 0.9), "itl_p99_ms": pct(itl, 0.99),
         "output_tok_s_per_worker": tokens / r.wall_s / workers if r.wall_s else None,
     }  # fmt: skip
 
@@ -72,12 +72,13 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     def f(x: float | None) -> str:
         return "-" if x is None else f"{x:.1f}"
 
-    lines = ["| system | ok | TTFT p50 | TTFT p90 | ITL p50 | ITL p90 | out tok/s/worker |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = ["| system | ok | TTFT p50 | TTFT p90 | ITL p50 | ITL p90 | ITL p99 | out tok/s/worker |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, s in rows.items():
         lines.append(
             f"| {name} | {s['ok']}/{s['requests']} | {f(s['ttft_p50_ms'])} | {f(s['ttft_p90_ms'])} | "
-            f"{f(s['itl_p50_ms'])} | {f(s['itl_p90_ms'])} | {f(s['output_tok_s_per_worker'])} |"
+            f"{f(s['itl_p50_ms'])} | {f(s['itl_p90_ms'])} | {f(s.get('itl_p99_ms'))} | "
+            f"{f(s['output_tok_s_per_worker'])} |"
         )
     return "\n".join(lines)
 
