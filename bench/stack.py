@@ -131,9 +131,17 @@ class FerryStack:
 
     @classmethod
     async def start(
-        cls, workers: int, speedup: float, extra: list[str] | None = None, timeout_s: float = 120.0
+        cls,
+        workers: int,
+        speedup: float,
+        extra: list[str] | None = None,
+        timeout_s: float = 120.0,
+        tree: Path | None = None,
     ) -> FerryStack:
-        """Start `ferry up` on a free loopback port and wait for its `ferry-ready` line."""
+        """Start `ferry up` on a free loopback port and wait for its `ferry-ready` line.
+
+        `tree` runs the Ferry of another checkout (PYTHONPATH, and PYTHONSAFEPATH so that no process of the
+        stack imports from its working directory instead)."""
         port = free_port()
         argv = [
             sys.executable, "-m", "launch", "up",
@@ -143,7 +151,8 @@ class FerryStack:
             "--log-level", "info",
             *(extra or []),
         ]  # fmt: skip
-        child = await Child.spawn("ferry-up", argv, echo=False)
+        env = {"PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"} if tree is not None else None
+        child = await Child.spawn("ferry-up", argv, echo=False, env=env)
         kafka_line = asyncio.ensure_future(child.wait_for_line(lambda s: s.startswith("Kafka "), timeout_s))
         try:
             ready = await child.wait_for_line(lambda s: s.startswith("ferry-ready "), timeout_s)

@@ -221,7 +221,13 @@ class Reader(Generic[T]):
         if isinstance(at, Tail):
             await ensure_topics(self._bootstrap, {at.topic: 1})
         consumer = self._options.make_consumer(self._bootstrap)
-        await consumer.start()
+        try:
+            await consumer.start()
+        except BaseException:
+            # A start that fails (broker unreachable, cancelled) leaves a client with open connections and
+            # tasks that nobody would stop: aiokafka warns "Unclosed AIOKafkaConsumer" when it is collected.
+            await asyncio.shield(consumer.stop())
+            raise
         self._consumer = consumer
         self._forget()
         match at:

@@ -12,7 +12,7 @@ that have host-only blocks: a lookup reads it once, and walks a found worker's b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import redis.asyncio as aioredis
 
@@ -150,6 +150,10 @@ return {table.concat(out, '\\n'), table.concat(hosts, '\\n')}
 )
 
 
+# Blocks per script call when a worker's entries are written back whole: a call blocks Redis while it runs.
+REPLACE_CHUNK = 4096
+
+
 def _hex(h: int) -> str:
     return f"{h:016x}"
 
@@ -184,6 +188,27 @@ class KVIndex:
     async def clear_worker(self, worker_id: str) -> None:
         """Remove every entry of `worker_id` (it died, restarted, or cleared its cache)."""
         await self._apply(args=[self._prefix, "", worker_id, "!", ""])
+
+    async def replace_workers(
+        self,
+        model: str,
+        workers: dict[str, tuple[Collection[int], Collection[int]]],
+        chunk: int = REPLACE_CHUNK,
+    ) -> None:
+        """Make each worker's entries exactly its (device, host) blocks, every call in one pipelined round trip.
+
+        Each worker's first call clears its entries; a worker with many blocks takes several calls (a lookup
+        in between sees part of them).
+        """
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for worker_id, (device, host) in workers.items():
+                ops = [("+", _hex(h)) for h in device] + [("H", _hex(h)) for h in host]
+                for lo in range(0, max(len(ops), 1), chunk):
+                    args: list[str] = [self._prefix, model, worker_id] + (["!", ""] if lo == 0 else [])
+                    for op in ops[lo : lo + chunk]:
+                        args += op
+                    await self._apply(args=args, client=pipe)
+            await pipe.execute()
 
     async def overlaps(self, model: str, block_hashes: Sequence[int]) -> dict[str, int]:
         """For each worker holding the first block: how many leading blocks of the chain it holds (any tier)."""

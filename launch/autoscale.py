@@ -16,8 +16,8 @@ import signal
 from collections.abc import Awaitable, Callable, Sequence
 
 import httpx
-import redis.asyncio as aioredis
 
+from kvstore.connect import redis_client
 from kvstore.registry import Registry
 from launch.services import Child
 from planner.kafka_lag import KafkaLag
@@ -174,7 +174,7 @@ async def start_planner(
 
     from launch.services import free_port
 
-    redis = aioredis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    redis = redis_client(redis_url)
     http = httpx.AsyncClient()
     lag = KafkaLag(kafka)
     await lag.start()

@@ -13,6 +13,7 @@ from typing import Any
 import uvicorn
 
 from launch.flags import load
+from launch.gc_tune import settle_gc
 from launch.model_prepare import ModelPrepareError
 from launch.model_source import resolve_model
 from schemas.settings import FrontendSettings
@@ -50,6 +51,7 @@ class ReadyServer(uvicorn.Server):
     async def startup(self, sockets: Any = None) -> None:
         """Start as uvicorn does, then signal that connections are accepted."""
         await super().startup(sockets)
+        settle_gc()  # the app's lifespan startup is done: the tokenizer, templates and router are built
         self.bound.set()
         if self._announce and not self.should_exit:
             # A line for launchers to wait on, printed whatever the log level.

@@ -8,10 +8,10 @@ import signal
 from collections.abc import Sequence
 
 import httpx
-import redis.asyncio as aioredis
 import uvloop
 from prometheus_client import start_http_server
 
+from kvstore.connect import redis_client
 from kvstore.registry import Registry
 from launch.flags import load
 from planner.actuators import Actuator, GaugeOnly, KubernetesDeployment
@@ -37,7 +37,7 @@ async def run(s: PlannerSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    redis = aioredis.from_url(s.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
+    redis = redis_client(s.redis)
     http = httpx.AsyncClient()
     registry = Registry(redis, RedisKeys(s.redis_prefix))
     latency: LatencySource

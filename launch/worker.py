@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import uvloop
 
 from launch.flags import load_with_engine_flags
+from launch.gc_tune import settle_gc
 from launch.model_prepare import ModelPrepareError
 from launch.model_source import resolve_model
 from schemas.settings import WorkerSettings
@@ -44,4 +45,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ModelPrepareError) as e:
         print(f"ferry worker: error: {e}", file=sys.stderr)
         return 2
+    settle_gc()  # the engine and its model files are loaded
     return uvloop.run(_amain(settings, engine))

@@ -44,3 +44,22 @@ class KVEventBatch(msgspec.Struct, frozen=True):
 def is_host(medium: str | None) -> bool:
     """Whether an event's medium names the host offload tier rather than the device pool."""
     return medium is not None and medium != MEDIUM_DEVICE
+
+
+class KVLogRecord(msgspec.Struct, frozen=True):
+    """One record of a worker on its model's KV log topic (`kv_log_topic`): events, or its whole cache.
+
+    `incarnation` tells processes under one worker id apart (its start time); `seq` counts the worker's
+    records from 1 in that incarnation, so a reader sees a record it missed. A snapshot (`snapshot`) lists
+    every block the worker holds at `seq` (`device`, `host`: the two tiers) and replaces all before it;
+    otherwise `events` are the engine's events since the previous record, in order.
+    """
+
+    worker_id: str
+    incarnation: float
+    seq: int
+    ts: float
+    snapshot: bool = False
+    events: list[KVEvent] = []
+    device: list[int] = []
+    host: list[int] = []

@@ -67,6 +67,11 @@ def batch_submit_group(model: str) -> str:
     return f"ferry-batch-submit-{slug(model)}"
 
 
+def kv_log_topic(model: str, epoch: int) -> str:
+    """Topic of one model's KV log in one epoch of the wall clock (`--kv-log-roll-s`): workers' KV events and snapshots."""
+    return f"ferry.kv.{slug(model)}.e{epoch}"
+
+
 class RedisKeys:
     """Every Redis key Ferry uses, under one configurable prefix."""
 
@@ -94,6 +99,14 @@ class RedisKeys:
     def worker_blocks(self, worker_id: str) -> str:
         """Set of block hashes one worker holds (for one-sweep removal)."""
         return f"{self.prefix}kvw:{worker_id}"
+
+    def kv_lease(self, model: str) -> str:
+        """Which frontend's indexer writes `model`'s KV log back into an emptied index (expires)."""
+        return f"{self.prefix}kvlease:{model}"
+
+    def kv_rebuilt(self, model: str) -> str:
+        """The registry marker whose index the lease holder last rebuilt from the KV log."""
+        return f"{self.prefix}kvrebuilt:{model}"
 
     def frontends(self) -> str:
         """Set of frontend ids that publish router load."""

@@ -103,6 +103,20 @@ class CommonSettings:
             "Experimental: at sub-second epochs on a loaded host a request is sometimes lost"
         ),
     )
+    kv_log: bool = dataclasses.field(
+        default=True,
+        metadata=_help(
+            "workers also write their KV events and snapshots to ferry.kv.<model>.e<epoch>; frontends keep a "
+            "copy and write it back into a Redis that came back empty; --no-kv-log = Redis only"
+        ),
+    )
+    kv_log_roll_s: float = dataclasses.field(
+        default=60.0,
+        metadata=_help(
+            "a fresh KV log topic every this many seconds of the wall clock, each opening with every "
+            "worker's snapshot; older ones are deleted (frontends and workers must agree)"
+        ),
+    )
     kafka_request_retention_s: float = dataclasses.field(
         default=3600.0,
         metadata=_help(

@@ -6,10 +6,10 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-import redis.asyncio as aioredis
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
+from kvstore.connect import redis_client
 from schemas.settings import FrontendSettings
 from schemas.status import WorkerStatus
 from server import endpoints, routes
@@ -45,9 +45,7 @@ def create_app(settings: FrontendSettings) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
             if tenants:
-                quota_redis = aioredis.from_url(
-                    settings.redis, socket_timeout=2.0, socket_connect_timeout=1.0
-                )
+                quota_redis = redis_client(settings.redis, connect_timeout_s=1.0)
                 stack.push_async_callback(quota_redis.aclose)
                 quota = QuotaGate(
                     quota_redis, settings.redis_prefix, tenants, metrics, settings.tenants_fail_open

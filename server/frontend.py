@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from bus.produce import TrackingProducer
 from bus.topics import RequestTopics, ensure_topics, retention
+from kvstore.connect import redis_client
 from kvstore.kv_index import KVIndex
 from kvstore.load import LoadBoard
 from kvstore.registry import Registry, reachable_host
@@ -26,6 +25,7 @@ from server.delivery import RequestLog
 from server.errors import APIError, model_not_found
 from server.generation import Services
 from server.kafka_io import Dispatcher, ReplyDemux
+from server.kv_indexer import KVIndexer
 from server.logprobs import LogprobFormatter
 from server.lora_admin import AckInbox, LoraAdmin
 from server.metrics import FrontendMetrics
@@ -54,6 +54,7 @@ class Frontend:
     svc: Services
     lora_admin: LoraAdmin
     background: Background
+    indexer: KVIndexer | None = None  # the KV log's indexer (server/kv_indexer.py), unless --no-kv-log
     started: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -137,7 +138,7 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
     s = settings
     template = chat_template_text(s.chat_template) if s.chat_template else None
     model = ModelFiles.load(Path(s.model_path), s.served_model_name, template)
-    redis = aioredis.from_url(s.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
+    redis = redis_client(s.redis)
     keys = RedisKeys(s.redis_prefix)
     index = KVIndex(redis, keys)
     board = LoadBoard(redis, keys)
@@ -198,6 +199,12 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
         stack.push_async_callback(_timed, "frontend announcement", lambda: registry.withdraw_frontend(s.frontend_id))
         await pool.start()
         stack.push_async_callback(_timed, "worker registry view", pool.stop)
+        indexer = None
+        if s.kv_log and s.kv_events:
+            indexer = KVIndexer(s, redis, keys, index, lambda: pool.workers, metrics)
+            await indexer.start()
+            router.standby = indexer  # answers the router while the index is rebuilt or unreachable
+            stack.push_async_callback(_timed, "KV indexer", indexer.stop)
         await ensure_topics(s.kafka, {acks.topic: 1}, short)  # with its retention, before the reader makes it
         await acks.start()
         stack.push_async_callback(_timed, "admin ack reader", acks.stop)
@@ -205,6 +212,7 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
         fe = Frontend(
             settings=s, metrics=metrics, model=model, pre=Preprocessor(model, s.tokenize_threshold_chars, s.tool_call_parser),
             fmt=LogprobFormatter(model), svc=svc, lora_admin=LoraAdmin(acks, producer, pool, s.served_model_name), background=background,
+            indexer=indexer,
         )  # fmt: skip
         log.info(
             "frontend %s serving %s on http://%s:%d (policy %s, %d worker(s) live)",

@@ -35,6 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvstore.hashing import block_hashes, chain_seed
 from kvstore.kv_index import KVIndex
@@ -94,6 +95,16 @@ class PromptMemo:
         return self.hashes[block_size]
 
 
+class Standby(Protocol):
+    """A copy of the KV index the router asks instead while the index is incomplete or unreachable."""
+
+    rebuilding: bool
+
+    def overlaps(self, model: str, chain: list[int]) -> dict[str, tuple[int, int]]:
+        """As `KVIndex.tiered_overlaps`."""
+        ...
+
+
 class Router:
     """Chooses workers and keeps this frontend's in-flight load per worker."""
 
@@ -124,6 +135,8 @@ class Router:
         self.active_blocks: dict[str, Counter[int]] = {}
         self.decoding_blocks: dict[str, Counter[int]] = {}
         self.index_ok = True
+        # The KV log's copy of the index (server/kv_indexer.py): answers while Redis lost or cannot reach it.
+        self.standby: Standby | None = None
         self._index_failed_at = -math.inf
         self._index_recovery_s = index_recovery_s
 
@@ -204,6 +217,8 @@ class Router:
             return {w: (n, 0) for w, n in self.approx.overlaps(model, chain, self._clock()).items()}
         if self._index is None:
             return {}
+        if self.standby is not None and self.standby.rebuilding:
+            return self.standby.overlaps(model, chain)
         t0 = time.perf_counter()
         try:
             found = await self._index.tiered_overlaps(model, chain)
@@ -215,7 +230,7 @@ class Router:
                 log.error("KV index unreachable (%r): routing by load only until it is back", exc)
                 self.index_ok = False
                 self._metrics.kv_index_up.set(0)
-            return {}
+            return self.standby.overlaps(model, chain) if self.standby is not None else {}
         self._metrics.redis_seconds.labels("kv_lookup").observe(time.perf_counter() - t0)
         # Back only after a quiet second: while Redis restarts, some pooled connections fail and others
         # already work, and flipping with each would log the outage once per lookup.

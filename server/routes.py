@@ -48,6 +48,8 @@ async def ready(request: Request) -> Response:
     workers = fe.pool.live(model)
     draining = request.app.state.gate.draining
     body = {"ready": bool(workers), "model": model, "workers": [w.worker_id for w in workers]}
+    if fe.indexer is not None:
+        body["kv_index"] = fe.indexer.detail()  # rebuilding: routing weighs load alone for some workers
     if draining:
         body = {**body, "ready": False, "draining": True}
     return JSONResponse(body, status_code=200 if workers and not draining else 503)

@@ -82,6 +82,11 @@ class Heartbeat:
             role=s.role,
         )
 
+    @property
+    def started_at(self) -> float:
+        """When this process started (its registry status says so; the KV log names its incarnation by it)."""
+        return self._started_at
+
     async def once(self) -> None:
         """Publish the status now (raises if Redis is unreachable)."""
         if self.stopped:

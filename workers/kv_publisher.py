@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from kvstore.kv_index import KVIndex
 from schemas.kv_events import KVEventBatch
@@ -28,10 +28,14 @@ class KVPublisher:
         # Set when batches were dropped: the index no longer matches the engine, so start over.
         self._must_clear = False
         self._ok = True
+        # Also given every batch (the KV log, workers/kv_log.py), unless --no-kv-log.
+        self.also: Callable[[KVEventBatch], None] | None = None
 
     async def run(self, batches: AsyncIterator[KVEventBatch]) -> None:
         """Publish every batch of `batches` until it ends."""
         async for batch in batches:
+            if self.also is not None:
+                self.also(batch)
             self._backlog.append(batch)
             if len(self._backlog) > self._max_backlog:
                 # Losing removals would make the router trust blocks that are gone; losing stores only

@@ -101,6 +101,10 @@ class WorkerMetrics:
         self.kv_publish_errors = Counter(
             "ferry_worker_kv_publish_errors", "KV event writes Redis did not take", registry=r
         )
+        self.kv_log_records = Counter(
+            "ferry_worker_kv_log_records", "Records written to the KV log, by kind", ["kind"], registry=r
+        )
+        self.kv_log_errors = Counter("ferry_worker_kv_log_errors", "KV log writes Kafka did not take", registry=r)
         self.kv_index_resets = Counter(
             "ferry_worker_kv_index_resets", "Times the backlog overflowed and the index was rebuilt", registry=r
         )

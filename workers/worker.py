@@ -9,12 +9,12 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 
-import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
 
 from bus.produce import TrackingProducer, refresh_metadata
 from bus.topics import ensure_topics, retention
 from kvstore.batch_store import BatchStore
+from kvstore.connect import redis_client
 from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
 from schemas.kafka import ErrorInfo, GenerateRequest
@@ -25,6 +25,7 @@ from workers.engine import Engine, EngineDead
 from workers.engine_control import EngineOps
 from workers.heartbeat import Heartbeat
 from workers.inbox import Inbox
+from workers.kv_log import KVLog
 from workers.kv_publisher import KVPublisher
 from workers.lora import LoraControl
 from workers.metrics import WorkerMetrics
@@ -47,15 +48,20 @@ class Worker:
         self.engine = engine
         self.engine_name = engine_name
         self.metrics = WorkerMetrics()
-        self._redis = aioredis.from_url(s.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._redis = redis_client(s.redis)
         keys = RedisKeys(s.redis_prefix)
         index = self._index = KVIndex(self._redis, keys)
         self._kv = KVPublisher(index, s.worker_id, s.served_model_name, self.metrics)
         self._producer = TrackingProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
         self._outbox = Outbox(self._producer, self.metrics)
+        self.kv_log: KVLog | None = None  # the KV log (workers/kv_log.py), unless --no-kv-log
         self.serving = Serving(engine, self._outbox, self.metrics, s.worker_id, self._set_fatal)
         self.heartbeat = Heartbeat(s, engine, engine_name, Registry(self._redis, keys), index, self.metrics,
                                    lambda: len(self.serving))  # fmt: skip
+        if s.kv_log:
+            self.kv_log = KVLog(self._producer, s.kafka, s.worker_id, s.served_model_name, self.heartbeat.started_at,
+                                s.kv_log_roll_s, self.metrics, s.kafka_retention_bytes)  # fmt: skip
+            self._kv.also = self.kv_log.add
         # LoRA load/unload from frontends (workers/lora.py); answers go to the asking frontend's topic.
         self.lora = LoraControl(engine, s.worker_id, self.heartbeat.once, self._outbox.send_ack)
         self.ops = EngineOps(engine, s.worker_id, self.heartbeat, index, self.serving.idle, s.drain_grace_s)
@@ -116,6 +122,8 @@ class Worker:
                 # Replies topics rolled and deleted by frontends must not be asked for (re-created) again.
                 asyncio.create_task(self._guard("topic-tracking", self._producer.forget_idle_forever())),
             ]
+            if self.kv_log is not None:
+                tasks.append(asyncio.create_task(self._guard("kv-log", self.kv_log.run())))
             if s.canary_wait_s > 0:
                 tasks.append(asyncio.create_task(self._guard("canary", self.canary.run())))
             if self.pool is not None:

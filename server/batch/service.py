@@ -6,11 +6,11 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
 from bus.topics import ensure_topics, retention
 from kvstore.batch_store import BatchStore
+from kvstore.connect import redis_client
 from schemas.names import RedisKeys, batch_results_topic, batch_submit_topic, pool_topic
 from schemas.settings import FrontendSettings
 from schemas.status import WorkerStatus
@@ -29,7 +29,7 @@ class BatchService:
 
     def __init__(self, settings: FrontendSettings) -> None:
         self.settings = settings
-        self.redis = aioredis.from_url(settings.redis, socket_timeout=5.0, socket_connect_timeout=2.0)
+        self.redis = redis_client(settings.redis, timeout_s=5.0)
         self.store = BatchStore(self.redis, RedisKeys(settings.redis_prefix))
         self.coordinator: BatchCoordinator | None = None
         self.collector: ResultCollector | None = None

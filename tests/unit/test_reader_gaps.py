@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+import pytest
 from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
 
 from bus.reader import GAP_TRIES, Batch, Hooks, Options, Reader
+from launch.services import free_port
 
 TP = TopicPartition("t", 0)
 
@@ -181,3 +185,19 @@ async def test_a_lookup_past_a_hole_that_stays_finds_nothing() -> None:
     reader._consumer = consumer  # type: ignore[assignment]
     assert await reader.read_at(TP, 3, 5.0) is None
     assert consumer.seeks == [(TP, 3)] * (GAP_TRIES + 1)
+
+
+async def test_a_consumer_that_fails_to_start_is_stopped() -> None:
+    made: list[Any] = []
+
+    class Recording(Options):
+        def make_consumer(self, bootstrap: str) -> Any:
+            made.append(super().make_consumer(bootstrap))
+            return made[-1]
+
+    reader = Reader("unreachable", f"127.0.0.1:{free_port()}", Raw(), Recording())
+    with pytest.raises(KafkaError):
+        await reader.open(None)
+    # Not stopped, it would hold its connections and warn "Unclosed AIOKafkaConsumer" when collected.
+    assert made and made[0]._closed is True
+    assert not reader.started
