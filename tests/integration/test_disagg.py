@@ -115,6 +115,13 @@ async def test_disaggregated_stream_is_the_aggregated_one_with_its_first_token_f
         async with c.stream("GET", f"/v1/chat/completions/{headers['x-request-id']}/stream") as r:
             assert r.status_code == 200
             assert [e async for e in sse_events(r)] == events
+    # Each choice of n is placed on its own.
+    headers, events = await read(disagg_url, body(n=2))
+    assert headers["x-ferry-disagg"] == "remote,remote"
+    assert headers["x-ferry-decode-worker"] == f"{wid(decode)},{wid(decode)}"
+    assert not any('"error"' in d for _, d in events)
+    assert json.loads(events[-2][1])["usage"]["completion_tokens"] == 80
+    assert (generated(prefill), generated(decode)) == (1 + 2, 79 + 2 * 39)
 
 
 async def test_short_prompt_is_prefilled_on_the_decode_worker(h: Harness) -> None:
