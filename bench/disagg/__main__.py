@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.disagg.dynamo_pd import DynamoPD
 from bench.routing.client import ReplayResult, replay
 from bench.routing.run import machine_info
 from bench.stack import FerryStack
@@ -34,14 +35,28 @@ def long_prompt_workload(n: int, rate: float, prompt_tokens: int, output_tokens:
     return Workload("long_prompt", items, desc)
 
 
-def systems(workers: int, ratios: list[tuple[int, int]]) -> list[tuple[str, int, list[str]]]:
-    """(name, aggregated workers, extra `ferry up` flags) of each system: the same total of workers."""
+def systems(workers: int, ratios: list[tuple[int, int]], dynamo: bool) -> list[tuple[str, int, list[str]]]:
+    """(name, aggregated workers, extra `ferry up` flags) of each system: the same total of workers. A Dynamo
+    system's flags are its prefill and decode worker counts."""
     out: list[tuple[str, int, list[str]]] = [(f"aggregated {workers}", workers, [])]
     for p, d in ratios:
         if p + d != workers:
             raise SystemExit(f"ratio {p}:{d} does not add up to --workers {workers}")
         out.append((f"disagg {p}:{d}", 0, ["--prefill-workers", str(p), "--decode-workers", str(d)]))
+        if dynamo:
+            out.append((f"dynamo disagg {p}:{d}", 0, [str(p), str(d)]))
     return out
+
+
+async def start_dynamo(args: argparse.Namespace, prefill: int, decode: int) -> DynamoPD:
+    """Dynamo's disaggregated mockers with Ferry's sim knobs (and its KV bytes per token and link)."""
+    from workers.host_tier import kv_bytes_per_token
+
+    knobs = ["--speedup-ratio", repr(args.speedup), "--block-size", "64", "--num-gpu-blocks-override",
+             str(args.num_blocks), "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
+             "--kv-transfer-bandwidth", "64", "--kv-bytes-per-token", str(kv_bytes_per_token(args.model_path))]  # fmt: skip
+    return await DynamoPD.start(model_path=args.model_path, model_name=args.model_name, prefill=prefill,
+                                decode=decode, knobs=knobs)  # fmt: skip
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -94,7 +109,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     workload: Workload | None = None
     machine = machine_info(REPO)  # load average at the start
-    for name, aggregated, extra in systems(args.workers, ratios):
+    for name, aggregated, extra in systems(args.workers, ratios, args.dynamo):
         salt = f"disagg-{name}-{time.time()}"  # a fresh run: nothing cached from the previous system's
         if args.workload == "trace":
             workload = trace_workload(read_trace(), sample_every=args.sample_every, max_requests=args.requests,
@@ -105,7 +120,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         flags = ["--num-blocks", str(args.num_blocks), "--disagg-min-uncached-tokens", str(args.min_uncached),
                  *extra]  # fmt: skip
-        stack = await FerryStack.start(aggregated, args.speedup, flags)
+        stack: FerryStack | DynamoPD
+        if name.startswith("dynamo"):
+            stack = await start_dynamo(args, int(extra[0]), int(extra[1]))
+        else:
+            stack = await FerryStack.start(aggregated, args.speedup, flags)
         try:
             await asyncio.sleep(args.settle_seconds)  # let heartbeats settle after the start burst
             result = await replay(
@@ -141,8 +160,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--settle-seconds", type=float, default=2.0)
     p.add_argument("--deadline-s", type=float, default=300.0)
     p.add_argument("--model-name", default="SmolLM2-135M-Instruct")
+    p.add_argument("--model-path", default=None, help="for Dynamo's mockers; default: Ferry's default model")
+    p.add_argument(
+        "--dynamo", action="store_true", help="also Dynamo 1.6.1's disaggregated mockers per ratio"
+    )
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "disagg.json")
     args = p.parse_args(argv)
+    if args.model_path is None:
+        from schemas.settings import default_model_path
+
+        args.model_path = default_model_path()
     args.argv = argv if argv is not None else __import__("sys").argv[1:]
     results = asyncio.run(run(args))
     print(table(results["systems"]))
