@@ -83,6 +83,23 @@ def load_stack(argv: Sequence[str] | None = None) -> Stack:
         configured_tenants(frontend.tenants, frontend.api_keys)
     except TenantsError as exc:
         raise SystemExit(f"ferry up: {exc}") from None
+    pools = settings.prefill_workers + settings.decode_workers
+    if (
+        settings.workers + pools <= 0
+        or min(settings.workers, settings.prefill_workers, settings.decode_workers) < 0
+    ):
+        raise SystemExit(
+            "ferry up: --workers, --prefill-workers and --decode-workers must start at least one worker"
+        )
+    if settings.prefill_workers and not settings.workers + settings.decode_workers:
+        raise SystemExit(
+            "ferry up: prefill workers need a worker that decodes (--decode-workers or --workers)"
+        )
+    if pools and (settings.autoscale or worker.engine != "sim" or "role" in given(ns)):
+        raise SystemExit(
+            "ferry up: --prefill-workers/--decode-workers start simulated workers with their roles; they do not "
+            "combine with --autoscale, --engine vllm or --role"
+        )
     if settings.autoscale and not planner.min_workers <= settings.workers <= planner.max_workers:
         raise SystemExit(
             f"ferry up --autoscale: --workers {settings.workers} (the starting count) must lie between "
@@ -109,11 +126,12 @@ def resolve_stack_model(stack: Stack) -> Stack:
     )  # fmt: skip
 
 
-def _worker_argv(stack: Stack, kafka: str, redis: str, name: str) -> list[str]:
+def _worker_argv(stack: Stack, kafka: str, redis: str, name: str, role: str = "") -> list[str]:
     return [
         sys.executable, "-m", "launch", "worker",
         "--worker-id", name, "--kafka", kafka, "--redis", redis,
         *stack.worker_flags,
+        *(["--role", role] if role else []),
         *(["--", *stack.engine_flags] if stack.engine_flags else []),
     ]  # fmt: skip
 
@@ -154,6 +172,11 @@ async def _start(
         log.info("embedded Redis on %s", redis)
     for i in range(s.workers):
         workers.append(await Child.spawn(f"worker-{i}", _worker_argv(stack, kafka, redis, f"worker-{i}")))
+    # Disaggregated pools (docs/architecture.md, "Disaggregated prefill and decode").
+    for role, n in (("prefill", s.prefill_workers), ("decode", s.decode_workers)):
+        for i in range(n):
+            name = f"{role}-{i}"
+            workers.append(await Child.spawn(name, _worker_argv(stack, kafka, redis, name, role)))
     await asyncio.gather(
         *(
             w.wait_for_line(lambda line: line.startswith("ferry-worker-ready"), s.ready_timeout_s)
@@ -175,6 +198,8 @@ async def _start(
     auth = "-H 'Authorization: Bearer YOUR_KEY' " if fe.api_keys else ""
     p = stack.planner
     scaling = f", autoscaled {p.min_workers}-{p.max_workers}" if s.autoscale else ""
+    if s.prefill_workers or s.decode_workers:
+        scaling += f", {s.prefill_workers} prefill + {s.decode_workers} decode"
     print(
         f"\nFerry is up: {url}  (model {fe.served_model_name}, {s.workers} {stack.worker.engine} worker(s)"
         f"{scaling})\n"

@@ -54,6 +54,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
     prompt_logprobs: int | None = None
 
 
+class KVFrom(msgspec.Struct, frozen=True):
+    """Where a disaggregated sequence's prompt KV cache comes from: the prefill worker that computed it."""
+
+    worker_id: str
+    # Leading prompt tokens whose KV that worker computed (the receiving engine takes it instead of computing
+    # it): the whole prompt, in blocks of the model's block size, the last one possibly partial.
+    tokens: int
+
+
 class GenerateRequest(msgspec.Struct, tag="generate", omit_defaults=True, frozen=True):
     """One sequence to generate, carrying everything a worker needs without asking anyone."""
 
@@ -75,6 +84,10 @@ class GenerateRequest(msgspec.Struct, tag="generate", omit_defaults=True, frozen
     frontend_id: str = ""
     # Sequence number of this attempt's first chunk: a migrated request continues its stream's count.
     seq_base: int = 0
+    # Disaggregated serving: a prefill-only attempt (max_tokens 1) ends its first token without a finish
+    # reason, as the sequence goes on on a decode worker; that worker's attempt names the KV's source.
+    prefill_only: bool = False
+    kv_from: KVFrom | None = None
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True):

@@ -13,6 +13,8 @@ import secrets
 from pathlib import Path
 from typing import Any, Literal
 
+from schemas.status import WorkerRole
+
 ENV_PREFIX = "FERRY_"
 
 RouterPolicy = Literal["kv", "round_robin", "random", "least_loaded"]
@@ -151,6 +153,14 @@ class RouterSettings:
     host_block_weight: float = dataclasses.field(
         default=0.75,
         metadata=_help("kv: a cached block on a worker's host tier counts as this much of a device block"),
+    )
+    disagg_min_uncached_tokens: int = dataclasses.field(
+        default=0,
+        metadata=_help(
+            "disaggregated serving: a prompt with fewer uncached tokens than this on its decode worker is "
+            "prefilled there instead of on a prefill worker; 0 = always a prefill worker (Dynamo's "
+            "conditional threshold is 2048)"
+        ),
     )
     router_temperature: float = dataclasses.field(
         default=0.0, metadata=_help("kv: 0 = always the cheapest worker; > 0 samples by softmax of cost")
@@ -375,7 +385,15 @@ class SimSettings(EngineSettings):
     )
     kv_bytes_per_token: int = dataclasses.field(
         default=0,
-        metadata=_help("sim: KV bytes per token for host transfers; 0 = from the model's config.json"),
+        metadata=_help(
+            "sim: KV bytes per token for host and P/D transfers; 0 = from the model's config.json"
+        ),
+    )
+    kv_transfer_bandwidth_gbps: float = dataclasses.field(
+        default=64.0,
+        metadata=_help(
+            "sim: GB/s of receiving a prompt's KV blocks from a prefill worker (delays that sequence only); 0 = free"
+        ),
     )
 
 
@@ -437,6 +455,13 @@ class WorkerSettings(CommonSettings, SimSettings, VLLMSettings, PoolSettings):
     engine: EngineName = dataclasses.field(
         default="sim", metadata=_help("inference engine: sim (simulated) or vllm (needs vLLM installed)")
     )
+    role: WorkerRole = dataclasses.field(
+        default="both",
+        metadata=_help(
+            "disaggregated serving: prefill (prompts only), decode (continues prefilled sequences, prefills "
+            "short prompts itself) or both (aggregated); sim only for now"
+        ),
+    )
     metrics_host: str = dataclasses.field(default="127.0.0.1", metadata=_help("bind address of /metrics"))
     metrics_port: int = dataclasses.field(default=0, metadata=_help("port of /metrics; 0 = any free port"))
     drain_grace_s: float = dataclasses.field(
@@ -460,7 +485,16 @@ class WorkerSettings(CommonSettings, SimSettings, VLLMSettings, PoolSettings):
 class StackSettings:
     """Settings of `ferry up` itself (it also takes the frontend's and the workers')."""
 
-    workers: int = dataclasses.field(default=2, metadata=_help("number of workers to start"))
+    workers: int = dataclasses.field(
+        default=2,
+        metadata=_help("number of aggregated workers (role both) to start; may be 0 with the pools below"),
+    )
+    prefill_workers: int = dataclasses.field(
+        default=0, metadata=_help("number of prefill workers (role prefill, disaggregated serving) to start")
+    )
+    decode_workers: int = dataclasses.field(
+        default=0, metadata=_help("number of decode workers (role decode, disaggregated serving) to start")
+    )
     kafka: str = dataclasses.field(
         default="", metadata=_help("use this Kafka instead of starting the embedded broker")
     )

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+# What a worker does in disaggregated serving: only prefills, only decodes (prefilling short prompts itself),
+# or both (aggregated).
+WorkerRole = Literal["prefill", "decode", "both"]
 
 # A worker's status key lives this many heartbeat intervals: a worker is dead once it missed them all.
 HEARTBEAT_MISSES = 3
@@ -28,6 +34,7 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     metrics_url: str = ""
     # How often this worker heartbeats (0: not said, an older worker).
     heartbeat_interval_s: float = 0.0
+    role: WorkerRole = "both"
 
 
 class FrontendStatus(msgspec.Struct, omit_defaults=True):

@@ -24,14 +24,19 @@ log = logging.getLogger("ferry.frontend")
 
 
 def _headers(gen: Generation) -> dict[str, str]:
-    return {
+    seqs = gen.stream.sequences.values()
+    headers = {
         "x-request-id": gen.id,
         "x-ferry-worker": ",".join(gen.worker_ids),
         "x-ferry-predicted-cached-blocks": str(gen.predicted_cached_blocks),
-        "x-ferry-predicted-host-blocks": str(
-            sum(s.decision.predicted_host_blocks for s in gen.stream.sequences.values())
-        ),
+        "x-ferry-predicted-host-blocks": str(sum(s.decision.predicted_host_blocks for s in seqs)),
     }
+    if any(s.placement != "off" for s in seqs):
+        # Disaggregated serving: per sequence, remote (x-ferry-worker prefills) or local prefill, and its
+        # decode worker.
+        headers["x-ferry-disagg"] = ",".join(s.placement for s in seqs)
+        headers["x-ferry-decode-worker"] = ",".join(s.decode_worker for s in seqs)
+    return headers
 
 
 def _wants_resumable(request: Request) -> bool:

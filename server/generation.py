@@ -7,13 +7,14 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvstore.resume_store import ResumeStore
-from schemas.kafka import Chunk, ErrorInfo, GenerateRequest
+from schemas.kafka import Chunk, ErrorInfo, GenerateRequest, KVFrom
 from server.delivery import RequestLog
+from server.disagg import Placement, place, serving
 from server.errors import APIError
 from server.kafka_io import Dispatcher, ReplyDemux
 from server.metrics import FrontendMetrics
@@ -24,6 +25,8 @@ from server.router import AllBusy, Decision, PromptMemo, Router
 from server.streams import ClientStream, Sequence, StreamSpec
 
 log = logging.getLogger("ferry.frontend")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -137,17 +140,21 @@ class Generation:
                 memo = PromptMemo(ids, max_tokens=p.max_tokens)
                 for c in range(p.n):
                     t0 = time.perf_counter()
-                    decision = await self.choose(memo)
+                    placed = await self.place(memo)
+                    decision = placed.first
                     router.started(decision)
+                    if placed.decode is not None:
+                        router.started(placed.decode)  # reserved now, so concurrent requests see it
                     rid = f"{self.id}.{pi * p.n + c}"
                     self.predicted_cached_blocks += decision.predicted_cached_blocks
-                    self.stream.sequences[rid] = Sequence(rid, pi * p.n + c, pi, decision, len(ids),
-                                                          wait_s=time.perf_counter() - t0)  # fmt: skip
-                    self._submitted.append(self.stream.sequences[rid])
+                    self.stream.sequences[rid] = seq = Sequence(rid, pi * p.n + c, pi, decision, len(ids),
+                                                                wait_s=time.perf_counter() - t0)  # fmt: skip
+                    seq.handoff, seq.kv_from, seq.placement = placed.decode, placed.kv_from, placed.mode
+                    seq.decode_worker = (placed.decode or decision).worker_id
+                    self._submitted.append(seq)
         except BaseException:
-            for seq in self._submitted:
-                router.finished(seq.decision)
-            self._submitted.clear()
+            for seq in list(self._submitted):
+                self._release(seq)
             raise
         self.reply_topic, self.first_offset = self.svc.demux.register(self.stream)
         self.deadline = time.time() + self.svc.request_timeout_s
@@ -181,15 +188,19 @@ class Generation:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def request_for(self, seq: Sequence, generated: list[int] | None = None) -> GenerateRequest:
-        """The GenerateRequest of one sequence; with `generated`, of its next attempt."""
+    def request_for(
+        self, seq: Sequence, generated: list[int] | None = None, kv_from: KVFrom | None = None
+    ) -> GenerateRequest:
+        """The GenerateRequest of one sequence; with `generated`, of its next attempt (`kv_from`: the attempt
+        that continues a prefill worker's). A first attempt bound for a prefill worker asks for one token."""
         p = self.prepared
         prior = generated or []
+        prefill_only = generated is None and seq.handoff is not None
         return GenerateRequest(
             request_id=seq.request_id,
             model=self.model,
             prompt_token_ids=p.prompts[seq.prompt_index],
-            max_tokens=p.max_tokens - len(prior),
+            max_tokens=1 if prefill_only else p.max_tokens - len(prior),
             reply_topic=self.reply_topic,
             sampling=p.sampling,
             index=seq.choice,
@@ -199,16 +210,28 @@ class Generation:
             attempt=seq.attempt,
             frontend_id=self.svc.frontend_id,
             seq_base=seq.next_seq,
+            prefill_only=prefill_only,
+            kv_from=kv_from,
         )
 
     async def choose(self, memo: PromptMemo) -> Decision:
-        """A routing decision, waiting (bounded) while every worker is over a busy threshold."""
-        pool, router, metrics = self.svc.pool, self.svc.router, self.svc.metrics
+        """A routing decision among the workers that serve whole sequences, waiting (bounded) while every
+        worker is over a busy threshold."""
+        pool, router = self.svc.pool, self.svc.router
+        return await self._when_free(lambda: router.choose(self.model, serving(pool.live(self.model)), memo))
+
+    async def place(self, memo: PromptMemo) -> Placement:
+        """A new sequence's worker(s), prefill and decode when disaggregated (server/disagg.py); waits as choose."""
+        pool, router = self.svc.pool, self.svc.router
+        return await self._when_free(lambda: place(router, self.model, pool.live(self.model), memo))
+
+    async def _when_free(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        pool, metrics = self.svc.pool, self.svc.metrics
         deadline = time.monotonic() + self.svc.busy_wait_s
         waited = False
         while True:
             try:
-                decision = await router.choose(self.model, pool.live(self.model), memo)
+                decision = await attempt()
             except AllBusy:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not pool.try_enter_wait():
@@ -241,6 +264,8 @@ class Generation:
                 for seq, chunk in batch:
                     if chunk.token_ids and not seq.decision.prefilled:
                         self.svc.router.prefilled(seq.decision)
+                    if chunk.token_ids and seq.handoff is not None and chunk.finish_reason is None:
+                        self.mover.hand_off(seq)  # the prefill worker's token: on to the decode worker
                     if chunk.error is not None:
                         self._failed = True
                         self.svc.metrics.errors.labels(self.model, chunk.error.code, "stream").inc()
@@ -294,6 +319,9 @@ class Generation:
         if seq in self._submitted:
             self._submitted.remove(seq)
             self.svc.router.finished(seq.decision)
+            if seq.handoff is not None:  # ended before it reached its decode worker
+                self.svc.router.finished(seq.handoff)
+                seq.handoff = None
 
     def fail(self, seq: Sequence, message: str, code: str = "worker_died") -> None:
         """End a sequence with a (retriable) error of the frontend's own, and stop its worker on it."""

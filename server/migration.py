@@ -26,7 +26,7 @@ from aiokafka import AIOKafkaProducer
 
 from bus.produce import refresh_metadata
 from kvstore.kv_index import KVIndex
-from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, GenerateRequest
+from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, GenerateRequest, KVFrom
 from server.delivery import RequestLog
 from server.errors import APIError
 from server.kafka_io import Dispatcher, ReplyDemux
@@ -135,6 +135,7 @@ class Migrations:
 class MovingRequest(Protocol):
     """What a mover needs of the request whose sequences it moves (server/generation.py's Generation)."""
 
+    model: str
     prepared: Prepared
     reply_topic: str
     stream: ClientStream
@@ -152,7 +153,9 @@ class MovingRequest(Protocol):
         """A routing decision, waiting (bounded) while every worker is busy."""
         ...
 
-    def request_for(self, seq: Sequence, generated: list[int] | None = None) -> GenerateRequest:
+    def request_for(
+        self, seq: Sequence, generated: list[int] | None = None, kv_from: KVFrom | None = None
+    ) -> GenerateRequest:
         """The GenerateRequest of one sequence; with `generated`, of its next attempt."""
         ...
 
@@ -212,6 +215,18 @@ class Mover:
         transition(seq, MoveState.MOVING)
         seq.move_reason = why.name.lower()
         self._req.own(self._migrate(seq), f"migrate-{seq.request_id}")
+
+    def hand_off(self, seq: Sequence) -> None:
+        """A disaggregated sequence's prefill worker sent its token: move it to its decode worker.
+
+        A move in all but name (server/disagg.py): the same marker, attempt and sequence numbers, so dedupe,
+        ordering, resumed streams and cancellation work as for any move; it does not count as a migration.
+        """
+        if self._req.closed or seq.finished or seq.move is not MoveState.IN_PLACE:
+            return  # (a move under way takes the hand-off with it: see _move)
+        transition(seq, MoveState.MOVING)
+        seq.move_reason = "handoff"
+        self._req.own(self._migrate(seq), f"handoff-{seq.request_id}")
 
     def _fail(self, seq: Sequence, message: str) -> None:
         """The move failed: the sequence ends with an error (counted as the move's outcome)."""
@@ -327,20 +342,27 @@ class Mover:
                 f"(migration limit {svc.migration_limit})",
             )
             return None
-        decision = await self._reroute(seq, old)
+        handoff, kv_from = self._take_handoff(seq)
+        decision = handoff or await self._reroute(seq, old)
         if decision is None or seq.finished or req.closed or not req.submitted(seq):
+            if handoff is not None:
+                svc.router.finished(handoff)
             return None
-        # Load moves with the sequence (no await between the check above and these lines).
+        # Load moves with the sequence (no await between the check above and these lines); a hand-off's decode
+        # worker has been charged since the sequence started.
         svc.router.finished(seq.decision)
-        svc.router.started(decision)
+        if handoff is None:
+            svc.router.started(decision)
         seq.decision = decision
         seq.moved_from = old
         target = seq.attempt + 1
         if not await self._mark(seq, target, old):
             return None
         # Only now may the old worker be stopped: its abort would otherwise have ended the sequence. (It
-        # may be alive after all, e.g. its heartbeats were late; it may even be the worker chosen now.)
-        await svc.dispatcher.cancel(old, seq.request_id)
+        # may be alive after all, e.g. its heartbeats were late; it may even be the worker chosen now.) A
+        # prefill worker ended its attempt with the token it sent.
+        if kv_from is None:
+            await svc.dispatcher.cancel(old, seq.request_id)
         seq.moved_from = ""
         if seq.finished:
             return None  # the old worker's last chunk landed before the marker
@@ -351,22 +373,43 @@ class Mover:
             req.end(seq, Chunk(seq.request_id, seq.next_seq, finish_reason="length", usage=usage,
                                worker_id=old, attempt=seq.attempt))  # fmt: skip
             return None
-        log.warning(
+        # A hand-off to the decode worker is the normal course of a disaggregated sequence, not a failure.
+        log.log(
+            logging.DEBUG if kv_from else logging.WARNING,
             "moving %s from worker %s to %s (attempt %d, %d token(s) so far)",
             seq.request_id, old, decision.worker_id, target, len(generated),
         )
-        request = req.request_for(seq, generated)
+        request = req.request_for(seq, generated, kv_from)
         try:
             # No cancel behind a timed-out copy: the next copy is the same attempt and must run (the worker
             # runs whichever arrives first and drops the other as a duplicate).
-            await self._while_broker_away(
+            offset = await self._while_broker_away(
                 lambda: svc.dispatcher.submit(decision.worker_id, request, cancel_on_timeout=False)
             )
         except APIError as exc:
             self._fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc.message}")
             return None
         svc.metrics.migrations.labels(seq.move_reason, "moved").inc()
+        if kv_from is not None:
+            # A hand-off is every disaggregated sequence's course, and its decode worker may queue it for long:
+            # it gets a first attempt's delivery check, not a move's timer.
+            self.watch(seq, request, offset)
+            return None
         return request
+
+    def _take_handoff(self, seq: Sequence) -> tuple[Decision | None, KVFrom | None]:
+        """For a disaggregated sequence's hand-off (its prefill worker's token arrived): the decode worker it
+        moves to if that is still live, and the KV to receive if its prefill worker is. A hand-off pending on
+        any other move (the prefill worker lost before its token) is dropped, with its load."""
+        handoff, seq.handoff = seq.handoff, None
+        if handoff is None:
+            return None, None
+        live = {w.worker_id for w in self._svc.pool.live(self._req.model)}
+        source = seq.kv_from if seq.token_ids and seq.kv_from and seq.kv_from.worker_id in live else None
+        if source is not None and handoff.worker_id in live:
+            return handoff, source
+        self._svc.router.finished(handoff)
+        return None, source
 
     async def _reroute(self, seq: Sequence, old: str) -> Decision | None:
         """A new worker for the sequence. A worker may be on its way (a restart, or this one back after a

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from schemas.kafka import Chunk, ErrorInfo
+from schemas.kafka import Chunk, ErrorInfo, KVFrom
 from schemas.streams import ToolCallMode
 from server.metrics import FrontendMetrics
 from server.router import Decision
@@ -70,6 +70,13 @@ class Sequence:
     move: MoveState = MoveState.IN_PLACE  # changed only through server/migration.py's transitions
     move_reason: str = "worker_died"  # the Loss (lower-case name) that started the move under way
     wait_s: float = 0.0  # spent in the frontend before it was sent: routing and waiting for a non-busy worker
+    # Disaggregated serving (server/disagg.py): the decode worker the sequence moves to once its prefill
+    # worker's token arrived (charged load from the start; None once moved, or when not disaggregated), what it
+    # is told of the prompt's KV, and how the sequence was placed ("off", "remote", "local").
+    handoff: Decision | None = None
+    kv_from: KVFrom | None = None
+    placement: str = "off"
+    decode_worker: str = ""
 
     @property
     def worker_id(self) -> str:

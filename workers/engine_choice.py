@@ -17,6 +17,13 @@ def build_engine(settings: WorkerSettings, engine_flags: Sequence[str] = ()) -> 
     """The engine `settings.engine` names; a max_model_len of 0 becomes the engine's own. `engine_flags` are
     vLLM's own engine flags (`--dtype bfloat16`), which only the vLLM engine takes."""
     if settings.engine == "vllm":
+        if settings.role != "both":
+            # vLLM's P/D needs a KV connector between engines; on its CPU build only the example shared-storage
+            # connector runs (docs/architecture.md, "KV tiers"), and Ferry does not drive it yet.
+            raise ValueError(
+                f"--role {settings.role} is supported by the simulated engine only for now (--engine sim); "
+                "a vLLM worker serves aggregated (--role both)"
+            )
         # Imported only here: vLLM is an optional install and takes seconds to import.
         from workers.vllm_config import VLLMConfig
         from workers.vllm_engine import VLLMEngine
@@ -34,7 +41,8 @@ def build_engine(settings: WorkerSettings, engine_flags: Sequence[str] = ()) -> 
     info = load_model_info(settings.model_path)
     max_len = settings.max_model_len or info.max_position_embeddings
     values = values_of(settings, SimSettings) | {"max_model_len": max_len}
-    if settings.num_host_blocks and not settings.kv_bytes_per_token:
+    transfers = settings.num_host_blocks or settings.kv_transfer_bandwidth_gbps > 0
+    if transfers and not settings.kv_bytes_per_token:
         values["kv_bytes_per_token"] = kv_bytes_per_token(settings.model_path)
     config = SimConfig(**values)
     return SimEngine(settings.served_model_name, info.tokenizer, config, eos_token_id=info.eos_token_id)

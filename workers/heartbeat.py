@@ -79,6 +79,7 @@ class Heartbeat:
             lora_adapters=adapters_of(self._engine),
             metrics_url=self.metrics_url,
             heartbeat_interval_s=s.heartbeat_interval_s,
+            role=s.role,
         )
 
     @property

@@ -8,6 +8,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+import msgspec
+
 from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, FinishReason, GenerateRequest
 from workers.engine import Engine, EngineDead, EngineError, EngineOutput
 from workers.metrics import WorkerMetrics
@@ -23,7 +25,13 @@ async def _no_outputs() -> AsyncIterator[EngineOutput]:
 
 
 def chunk_of(req: GenerateRequest, seq: int, out: EngineOutput, worker_id: str, usage: ChunkUsage | None) -> Chunk:
-    """The Chunk carrying one engine delta of `req` as its `seq`-th chunk."""
+    """The Chunk carrying one engine delta of `req` as its `seq`-th chunk.
+
+    A prefill-only attempt's token that ends it by length has no finish reason and no usage: the sequence
+    goes on on a decode worker, whose last chunk carries them (a natural stop still ends it here).
+    """
+    if req.prefill_only and out.finish_reason == "length":
+        out, usage = msgspec.structs.replace(out, finish_reason=None), None
     return Chunk(
         request_id=req.request_id,
         seq=seq,

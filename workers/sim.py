@@ -33,6 +33,7 @@ from workers.host_tier import host_tier
 from workers.sim_draws import TAG_LENGTH, TAG_STRUCTURED, TAG_TOKEN, draw, logprob, output_vocab, stream_key
 from workers.sim_output import OutputPlan, TokenSource, output_plan
 from workers.sim_timing import step_seconds
+from workers.sim_transfer import KVReceiver, admission
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     host_offload_h2d_bandwidth_gbps: float = 32.0
     host_offload_d2h_bandwidth_gbps: float = 0.0
     kv_bytes_per_token: int = 0
+    # Disaggregated serving: GB/s of receiving a prompt's KV from a prefill worker (workers/sim_transfer.py).
+    kv_transfer_bandwidth_gbps: float = 64.0
 
     def __post_init__(self) -> None:
         positive = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
@@ -98,6 +101,7 @@ class _Seq:
     prefill_end: int = 0
     generated: int = 0
     cached_tokens: int | None = None
+    received: int = 0  # leading tokens whose KV came from a prefill worker, computed as of admission
     sent_first: bool = False
     # When it was queued, and how long it waited until first scheduled (for the first output).
     queued_at: float = 0.0
@@ -143,6 +147,7 @@ class SimEngine(EngineLifecycle):
         self._prompt_tokens_seen = 0
         self._cached_tokens_seen = 0
         self._kv_events = KVEventQueue(self.config.max_pending_kv_batches, self._pool.snapshot)
+        self.receiver = KVReceiver(self.config, self._pool.longest_prefix)  # KV from prefill workers
         # Tests: an engine that stops stepping but still passes check_health (what the canary catches).
         self.hung = False
         # Tests: a step loop that dies at its next step, as vLLM's EngineCore process can.
@@ -216,8 +221,9 @@ class SimEngine(EngineLifecycle):
             queued_at=time.monotonic(),
         )
         self._seqs[request.request_id] = seq
-        self._push_waiting(seq)
-        self._wake.set()
+        # Counted as waiting while its KV is on its way from a prefill worker (then queued by _arrive).
+        self._num_waiting += 1
+        seq.received = self.receiver.receive(request.kv_from, tokens, seq.kv.seed, lambda: self._arrive(seq))
         return OutputStream(self._stream(seq), lambda: self._abort_seq(seq))
 
     async def abort(self, request_id: str) -> None:
@@ -239,16 +245,10 @@ class SimEngine(EngineLifecycle):
 
     def stats(self) -> EngineStats:
         """Current load and cache figures."""
-        seen = self._prompt_tokens_seen
-        return EngineStats(
-            running=len(self._running),
-            waiting=self._num_waiting,
-            kv_usage=self._pool.usage(),
-            prefix_hit_rate=self._cached_tokens_seen / seen if seen else 0.0,
-            total_blocks=self.config.num_blocks,
-            block_size=self.config.block_size,
-            max_model_len=self.config.max_model_len,
-        )
+        seen, c = self._prompt_tokens_seen, self.config
+        return EngineStats(running=len(self._running), waiting=self._num_waiting, kv_usage=self._pool.usage(),
+                           prefix_hit_rate=self._cached_tokens_seen / seen if seen else 0.0, total_blocks=c.num_blocks,
+                           block_size=c.block_size, max_model_len=c.max_model_len)  # fmt: skip
 
     def first_token_eta(self, prompt_token_ids: list[int], lora_name: str | None = None) -> float:
         """Seconds until a prompt submitted now would produce its first token if nothing else arrived.
@@ -305,14 +305,8 @@ class SimEngine(EngineLifecycle):
         if seq.state is _State.FINISHED:
             return
         self._finish(seq)
-        seq.mailbox.put(
-            EngineOutput(
-                token_ids=[],
-                finish_reason="abort",
-                prompt_tokens=len(seq.request.prompt_token_ids),
-                cached_tokens=seq.cached_tokens or 0,
-            )
-        )
+        prompt, cached = len(seq.request.prompt_token_ids), seq.cached_tokens or 0
+        seq.mailbox.put(EngineOutput([], finish_reason="abort", prompt_tokens=prompt, cached_tokens=cached))
 
     def _finish(self, seq: _Seq) -> None:
         if seq.state is _State.WAITING:
@@ -396,15 +390,16 @@ class SimEngine(EngineLifecycle):
             if seq is None:
                 break
             hit_blocks = self._pool.match_prefix(seq.kv, seq.tokens)
-            computed = hit_blocks * bs
+            computed, prefill_end = admission(hit_blocks * bs, seq.received, len(seq.tokens))
             n = min(len(seq.tokens) - computed, budget)
             if not self._pool.allocate(seq.kv, seq.tokens, computed + n, num_hit_blocks=hit_blocks):
                 break
+            seq.received = 0  # in the pool now: a preempted sequence finds them there, or recomputes them
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
             seq.state = _State.RUNNING
             seq.num_computed = computed
-            seq.prefill_end = len(seq.tokens)
+            seq.prefill_end = prefill_end
             self._running[seq.request.request_id] = seq
             if seq.cached_tokens is None:
                 prompt_len = len(seq.request.prompt_token_ids)
@@ -435,8 +430,13 @@ class SimEngine(EngineLifecycle):
 
     def _push_waiting(self, seq: _Seq) -> None:
         seq.state = _State.WAITING
-        heapq.heappush(self._waiting, (seq.request.priority, seq.arrival, seq))
         self._num_waiting += 1
+        self._arrive(seq)
+
+    def _arrive(self, seq: _Seq) -> None:
+        if seq.state is _State.WAITING and not self._stopped:  # (not aborted while its KV was on its way)
+            heapq.heappush(self._waiting, (seq.request.priority, seq.arrival, seq))
+            self._wake.set()
 
     def _peek_waiting(self) -> _Seq | None:
         while self._waiting:

@@ -94,7 +94,7 @@ class Worker:
             await self.engine.start()
             await self._producer.start()
             await self._inbox.open()
-            if s.pool:
+            if s.pool and s.role != "prefill":  # batch items are whole sequences: not a prefill worker's
                 batch_retention = retention(s.kafka_batch_retention_s, s.kafka_retention_bytes)
                 await ensure_topics(s.kafka, {pool_topic(s.served_model_name): s.pool_partitions}, batch_retention)
                 store = BatchStore(self._redis, RedisKeys(s.redis_prefix))

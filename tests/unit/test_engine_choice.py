@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from schemas.settings import SimSettings, WorkerSettings
 from workers.engine_choice import build_engine
 from workers.model_dir import load_model_info
@@ -14,7 +16,7 @@ from workers.sim import SimEngine
 def test_sim_engine_takes_every_sim_setting(model_path: Path) -> None:
     settings = WorkerSettings(
         model_path=str(model_path), block_size=16, num_blocks=512, max_num_seqs=3, max_num_batched_tokens=99,
-        speedup=2.5, max_model_len=1000,
+        speedup=2.5, max_model_len=1000, kv_bytes_per_token=5, kv_transfer_bandwidth_gbps=3.0,
     )  # fmt: skip
     engine = build_engine(settings)
     assert isinstance(engine, SimEngine)
@@ -28,12 +30,20 @@ def test_max_model_len_zero_is_the_models_own(model_path: Path) -> None:
     assert engine.config.max_model_len == load_model_info(str(model_path)).max_position_embeddings
 
 
-def test_host_tier_bytes_per_token_come_from_the_model_unless_given(model_path: Path) -> None:
+def test_transfer_bytes_per_token_come_from_the_model_unless_given(model_path: Path) -> None:
+    # Host-tier loads and P/D transfers (--kv-transfer-bandwidth-gbps, on by default) both need them.
     derived = build_engine(WorkerSettings(model_path=str(model_path), num_host_blocks=8))
     given = build_engine(WorkerSettings(model_path=str(model_path), num_host_blocks=8, kv_bytes_per_token=7))
-    off = build_engine(WorkerSettings(model_path=str(model_path)))
+    off = build_engine(WorkerSettings(model_path=str(model_path), kv_transfer_bandwidth_gbps=0))
     assert isinstance(derived, SimEngine) and isinstance(given, SimEngine) and isinstance(off, SimEngine)
     # The default model, SmolLM2-135M: 30 layers x 3 KV heads x 64 head dim x 2 (K and V) x 2 bytes (bf16).
     assert derived.config.kv_bytes_per_token == 30 * 3 * 64 * 2 * 2
     assert given.config.kv_bytes_per_token == 7
     assert off.config.kv_bytes_per_token == 0
+    pd = build_engine(WorkerSettings(model_path=str(model_path)))
+    assert isinstance(pd, SimEngine) and pd.config.kv_bytes_per_token == 30 * 3 * 64 * 2 * 2
+
+
+def test_vllm_worker_refuses_a_disaggregated_role(model_path: Path) -> None:
+    with pytest.raises(ValueError, match="--role decode is supported by the simulated engine only"):
+        build_engine(WorkerSettings(model_path=str(model_path), engine="vllm", role="decode"))

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from launch.flags import build_parser, from_namespace, load, to_argv
-from launch.stack import PER_CHILD, load_stack, stack_parser
+from launch.stack import PER_CHILD, _worker_argv, load_stack, stack_parser
 from schemas.ops_settings import PlannerPolicySettings
 from schemas.settings import FrontendSettings, StackSettings, WorkerSettings
 
@@ -54,6 +54,30 @@ def test_ferry_up_passes_each_child_the_flags_given_for_it(monkeypatch: pytest.M
     ]
     assert stack.worker_flags == ["--speedup", "20.0", "--heartbeat-interval-s", "0.5"]
     assert load(WorkerSettings, stack.worker_flags).speedup == 20.0
+
+
+def test_ferry_up_starts_prefill_and_decode_pools_with_their_roles() -> None:
+    stack = load_stack(
+        ["--workers", "0", "--prefill-workers", "1", "--decode-workers", "2", "--speedup", "5"]
+    )
+    assert (stack.settings.workers, stack.settings.prefill_workers, stack.settings.decode_workers) == (
+        0,
+        1,
+        2,
+    )
+    argv = _worker_argv(stack, "k:1", "redis://r", "prefill-0", "prefill")
+    assert load(WorkerSettings, argv[argv.index("worker") + 1 :]).role == "prefill"
+    argv = _worker_argv(stack, "k:1", "redis://r", "worker-0")
+    assert load(WorkerSettings, argv[argv.index("worker") + 1 :]).role == "both"
+    bad = (
+        ["--workers", "0"],  # nothing to start
+        ["--workers", "0", "--prefill-workers", "2"],  # nobody decodes
+        ["--prefill-workers", "1", "--decode-workers", "1", "--engine", "vllm"],  # sim only for now
+        ["--prefill-workers", "1", "--decode-workers", "1", "--role", "decode"],  # the pools name the roles
+    )
+    for argv in bad:
+        with pytest.raises(SystemExit):
+            load_stack(argv)
 
 
 def test_ferry_up_has_no_per_child_id() -> None:

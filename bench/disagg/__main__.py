@@ -1,0 +1,182 @@
+"""`python -m bench.disagg`: see the package docstring."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.disagg.dynamo_pd import DynamoPD
+from bench.routing.client import ReplayResult, replay
+from bench.routing.run import machine_info
+from bench.stack import FerryStack
+from bench.workload import TokenBank, WorkItem, Workload, read_trace, trace_workload
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def long_prompt_workload(n: int, rate: float, prompt_tokens: int, output_tokens: int, salt: str) -> Workload:
+    """`n` unrelated prompts of `prompt_tokens` (no shared prefix) asking for `output_tokens`, Poisson at `rate`."""
+    bank, rng = TokenBank(64, salt), random.Random(salt)
+    at, items = 0.0, []
+    blocks = -(-prompt_tokens // 64)
+    for i in range(n):
+        items.append(
+            WorkItem(i, at, bank.prompt(range(i * blocks, (i + 1) * blocks), prompt_tokens), output_tokens)
+        )
+        at += rng.expovariate(rate)
+    desc = {"kind": "long_prompt", "requests": n, "rate": rate, "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens}  # fmt: skip
+    return Workload("long_prompt", items, desc)
+
+
+def systems(workers: int, ratios: list[tuple[int, int]], dynamo: bool) -> list[tuple[str, int, list[str]]]:
+    """(name, aggregated workers, extra `ferry up` flags) of each system: the same total of workers. A Dynamo
+    system's flags are its prefill and decode worker counts."""
+    out: list[tuple[str, int, list[str]]] = [(f"aggregated {workers}", workers, [])]
+    for p, d in ratios:
+        if p + d != workers:
+            raise SystemExit(f"ratio {p}:{d} does not add up to --workers {workers}")
+        out.append((f"disagg {p}:{d}", 0, ["--prefill-workers", str(p), "--decode-workers", str(d)]))
+        if dynamo:
+            out.append((f"dynamo disagg {p}:{d}", 0, [str(p), str(d)]))
+    return out
+
+
+async def start_dynamo(args: argparse.Namespace, prefill: int, decode: int) -> DynamoPD:
+    """Dynamo's disaggregated mockers with Ferry's sim knobs (and its KV bytes per token and link)."""
+    from workers.host_tier import kv_bytes_per_token
+
+    knobs = ["--speedup-ratio", repr(args.speedup), "--block-size", "64", "--num-gpu-blocks-override",
+             str(args.num_blocks), "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
+             "--kv-transfer-bandwidth", "64", "--kv-bytes-per-token", str(kv_bytes_per_token(args.model_path))]  # fmt: skip
+    return await DynamoPD.start(model_path=args.model_path, model_name=args.model_name, prefill=prefill,
+                                decode=decode, knobs=knobs)  # fmt: skip
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    """The q-quantile (nearest rank) of `xs`, None if empty."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def summary(r: ReplayResult, workers: int) -> dict[str, Any]:
+    """TTFT and ITL percentiles (ms), throughput per worker, failures."""
+    ok = [x for x in r.results if x.ok]
+    ttft = [x.ttft * 1000 for x in ok if not math.isnan(x.ttft)]
+    itl = [g * 1000 for x in ok for g in x.itls]
+    # The gap after the first token: a disaggregated sequence's hand-off to its decode worker.
+    first_gap = [x.itls[0] * 1000 for x in ok if x.itls]
+    tokens = sum(x.completion_tokens for x in ok)
+    return {
+        "requests": len(r.results), "ok": len(ok), "not_sent": r.not_sent, "wall_s": r.wall_s,
+        "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9),
+        "itl_p50_ms": pct(itl, 0.5), "itl_p90_ms": pct(itl, 0.9), "itl_p99_ms": pct(itl, 0.99),
+        "first_gap_p50_ms": pct(first_gap, 0.5), "first_gap_p90_ms": pct(first_gap, 0.9),
+        "output_tok_s_per_worker": tokens / r.wall_s / workers if r.wall_s else None,
+    }  # fmt: skip
+
+
+def table(rows: dict[str, dict[str, Any]]) -> str:
+    """The results as a Markdown table."""
+
+    def f(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    lines = ["| system | ok | TTFT p50 | TTFT p90 | ITL p50 | ITL p90 | ITL p99 | 1st gap p50 | out tok/s/worker |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, s in rows.items():
+        lines.append(
+            f"| {name} | {s['ok']}/{s['requests']} | {f(s['ttft_p50_ms'])} | {f(s['ttft_p90_ms'])} | "
+            f"{f(s['itl_p50_ms'])} | {f(s['itl_p90_ms'])} | {f(s.get('itl_p99_ms'))} | {f(s.get('first_gap_p50_ms'))} | "
+            f"{f(s['output_tok_s_per_worker'])} |"
+        )
+    return "\n".join(lines)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every system on the workload, one after the other."""
+    ratios = (
+        [(int(a), int(b)) for a, b in (r.split(":") for r in args.ratios.split(","))] if args.ratios else []
+    )
+    rows: dict[str, dict[str, Any]] = {}
+    workload: Workload | None = None
+    machine = machine_info(REPO)  # load average at the start
+    for name, aggregated, extra in systems(args.workers, ratios, args.dynamo):
+        salt = f"disagg-{name}-{time.time()}"  # a fresh run: nothing cached from the previous system's
+        if args.workload == "trace":
+            workload = trace_workload(read_trace(), sample_every=args.sample_every, max_requests=args.requests,
+                                      salt=salt).at_rate(args.rate)  # fmt: skip
+        else:
+            workload = long_prompt_workload(
+                args.requests, args.rate, args.prompt_tokens, args.output_tokens, salt
+            )
+        flags = ["--num-blocks", str(args.num_blocks), "--disagg-min-uncached-tokens", str(args.min_uncached),
+                 *extra]  # fmt: skip
+        stack: FerryStack | DynamoPD
+        if name.startswith("dynamo"):
+            stack = await start_dynamo(args, int(extra[0]), int(extra[1]))
+        else:
+            stack = await FerryStack.start(aggregated, args.speedup, flags)
+        try:
+            await asyncio.sleep(args.settle_seconds)  # let heartbeats settle after the start burst
+            result = await replay(
+                stack.host, stack.port, args.model_name, workload.items, deadline_s=args.deadline_s
+            )
+        finally:
+            await stack.stop()
+        rows[name] = summary(result, args.workers)
+        print(f"{name}: {rows[name]}", flush=True)
+    return {
+        "command": "python -m bench.disagg " + " ".join(args.argv),
+        "machine": machine,
+        "workload": workload.description if workload else {},
+        "speedup": args.speedup,
+        "systems": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags, run, print the table and write the JSON."""
+    p = argparse.ArgumentParser(prog="python -m bench.disagg", description=__doc__)
+    p.add_argument("--workers", type=int, default=4, help="simulated workers of every system")
+    p.add_argument("--ratios", default="1:3,2:2", help="prefill:decode splits of --workers, comma-separated")
+    p.add_argument("--workload", choices=["long", "trace"], default="long")
+    p.add_argument("--requests", type=int, default=120)
+    p.add_argument("--rate", type=float, default=6.0, help="mean requests per second")
+    p.add_argument("--prompt-tokens", type=int, default=3000)
+    p.add_argument("--output-tokens", type=int, default=100)
+    p.add_argument("--sample-every", type=int, default=32, help="trace: keep 1 in this many conversations")
+    p.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--min-uncached-tokens", dest="min_uncached", type=int, default=0)
+    p.add_argument("--settle-seconds", type=float, default=2.0)
+    p.add_argument("--deadline-s", type=float, default=300.0)
+    p.add_argument("--model-name", default="SmolLM2-135M-Instruct")
+    p.add_argument("--model-path", default=None, help="for Dynamo's mockers; default: Ferry's default model")
+    p.add_argument(
+        "--dynamo", action="store_true", help="also Dynamo 1.6.1's disaggregated mockers per ratio"
+    )
+    p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "disagg.json")
+    args = p.parse_args(argv)
+    if args.model_path is None:
+        from schemas.settings import default_model_path
+
+        args.model_path = default_model_path()
+    args.argv = argv if argv is not None else __import__("sys").argv[1:]
+    results = asyncio.run(run(args))
+    print(table(results["systems"]))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
