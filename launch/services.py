@@ -23,6 +23,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+# Output lines a child keeps for errors and checks: enough for a shutdown that logs a long traceback
+# (vLLM's engine errors come as chained tracebacks of dozens of lines) after the line that says why.
+TAIL_LINES = 200
+
+
 class Child:
     """A child process whose output lines are relayed with a name prefix and can be watched for."""
 
@@ -32,7 +37,7 @@ class Child:
         self._echo = echo
         self._watchers: list[tuple[Callable[[str], bool], asyncio.Future[str]]] = []
         self._relay = asyncio.create_task(self._read(), name=f"relay-{name}")
-        self.tail: list[str] = []
+        self.tail: list[str] = []  # the last TAIL_LINES lines
         self.log: TextIO | None = None  # where every line is also written, when set
 
     @classmethod
@@ -52,7 +57,7 @@ class Child:
         assert self.proc.stdout is not None
         async for raw in self.proc.stdout:
             line = raw.decode(errors="replace").rstrip()
-            self.tail = [*self.tail[-49:], line]
+            self.tail = [*self.tail[1 - TAIL_LINES :], line]
             if self.log is not None:
                 self.log.write(f"[{self.name}] {line}\n")
             if self._echo:

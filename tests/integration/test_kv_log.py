@@ -210,11 +210,16 @@ async def test_the_log_rolls_old_epochs_are_deleted_and_snapshots_carry_the_stat
     await _serve(url, [_prompt(i, 10) for i in range(30, 32)])
     before = await _logged(client, prefix, [a])
     first = int(time.time())
-    await asyncio.sleep(4.5)  # four epochs turn: the wall clock is what rolls the log
+
+    async def swept() -> bool:
+        # Epochs turn by the wall clock; a producer's metadata request can bring a deleted epoch back, empty,
+        # for a moment (the embedded broker's quirk), and the next turn deletes it again.
+        return kv_log_topic(MODEL, first) not in await existing_topics(kafka, [kv_log_topic(MODEL, first)])
+
+    await until(swept, 20, period_s=0.2)
     now = int(time.time())
-    found = await existing_topics(kafka, [kv_log_topic(MODEL, n) for n in range(first - 2, now + 2)])
-    assert kv_log_topic(MODEL, first) not in found, found
-    assert kv_log_topic(MODEL, now - 1) in found, found  # the log goes on
+    found = await existing_topics(kafka, [kv_log_topic(MODEL, n) for n in (now - 1, now)])
+    assert found, "the log goes on in the current or previous epoch"
     server, task = hh._servers.pop()
     server.should_exit = True
     await task
