@@ -25,6 +25,7 @@ import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -123,83 +124,90 @@ def arrivals(ramp_s: float, base: float, seed: int) -> list[float]:
             out.append(t)
 
 
+async def _quietly(stop: Callable[[], Awaitable[object]]) -> None:
+    """Run one clean-up step; a failing one must not keep the others from running."""
+    with contextlib.suppress(Exception):
+        await stop()
+
+
 async def run_system(
     name: str, args: argparse.Namespace, items: list[WorkItem], times: list[float]
 ) -> dict[str, Any]:
     """Start a fresh stack for one system, replay the ramp, and measure."""
-    broker, kafka = await start_broker()
-    redis_child, redis = await start_redis()
-    worker = WorkerSettings(kafka=kafka, redis=redis, model_path=args.model_path, served_model_name=MODEL,
-                            max_num_seqs=args.slots, speedup=args.speedup, heartbeat_interval_s=0.5)  # fmt: skip
-    wflags = ["--max-num-seqs", str(args.slots), "--speedup", str(args.speedup), "--heartbeat-interval-s", "0.5",
-              "--model-path", args.model_path, "--drain-grace-s", "60", "--log-level", "warning"]  # fmt: skip
+    # Whatever happens, no process of this system outlives it (a failed run left a whole stack running).
+    async with contextlib.AsyncExitStack() as cleanup:
+        broker, kafka = await start_broker()
+        cleanup.push_async_callback(_quietly, broker.stop)
+        redis_child, redis = await start_redis()
+        cleanup.push_async_callback(_quietly, redis_child.stop)
+        worker = WorkerSettings(kafka=kafka, redis=redis, model_path=args.model_path, served_model_name=MODEL,
+                                max_num_seqs=args.slots, speedup=args.speedup, heartbeat_interval_s=0.5)  # fmt: skip
+        wflags = ["--max-num-seqs", str(args.slots), "--speedup", str(args.speedup), "--heartbeat-interval-s", "0.5",
+                  "--model-path", args.model_path, "--drain-grace-s", "60", "--log-level", "warning"]  # fmt: skip
 
-    def spawn(wid: str) -> Any:
-        return Child.spawn(wid, [sys.executable, "-m", "launch", "worker", "--worker-id", wid, "--kafka", kafka,
-                                 "--redis", redis, *wflags], echo=False)  # fmt: skip
+        def spawn(wid: str) -> Any:
+            return Child.spawn(wid, [sys.executable, "-m", "launch", "worker", "--worker-id", wid, "--kafka", kafka,
+                                     "--redis", redis, *wflags], echo=False)  # fmt: skip
 
-    actuator = LocalWorkers(spawn, worker, 120.0)
-    start = {"peak": args.max_workers, "mean": args.mean_workers}.get(name, args.min_workers)
-    policy = PlannerPolicySettings(
-        min_workers=args.min_workers, max_workers=args.max_workers, ttft_p90_target_s=args.ttft_s,
-        itl_p90_target_s=args.itl_s, planner_interval_s=args.interval_s, worker_capacity=float(args.slots),
-        worker_start_s=3.0, scale_out_cooldown_s=3.0, scale_in_cooldown_s=10.0, scale_in_stable=3,
-    )  # fmt: skip
-    port = free_port()
-    front = await Child.spawn("frontend", [sys.executable, "-m", "launch", "frontend", "--port", str(port),
-                                           "--kafka", kafka, "--redis", redis, "--model-path", args.model_path,
-                                           "--heartbeat-interval-s", "0.5", "--log-level", "warning"], echo=False)  # fmt: skip
-    # Watched from now: the frontend may be ready while the workers are still starting.
-    front_ready = asyncio.ensure_future(front.wait_for_line(lambda ln: ln.startswith("ferry-frontend-ready"), 120))
-    await actuator.scale(start)
-    await asyncio.gather(*(m.child.wait_for_line(lambda ln: ln.startswith("ferry-worker-ready"), 120)
-                           for m in actuator.workers.values()))  # fmt: skip
-    await front_ready
-    url = f"http://127.0.0.1:{port}"
-    local = None
-    stop = asyncio.Event()
-    tasks: list[asyncio.Task[Any]] = []
-    if name in ("planner", "hpa"):
-        local = await start_planner(policy, worker, kafka, redis, actuator)
-        if name == "hpa":
-            local.planner.policy = ReactivePolicy(policy, args.slots, window_s=args.ramp_s / 8)
-        tasks.append(asyncio.create_task(local.planner.run(stop)))
-    worker_seconds = 0.0
-    samples: list[tuple[float, int]] = []
+        actuator = LocalWorkers(spawn, worker, 120.0)
+        cleanup.push_async_callback(_quietly, actuator.stop_all)
+        start = {"peak": args.max_workers, "mean": args.mean_workers}.get(name, args.min_workers)
+        policy = PlannerPolicySettings(
+            min_workers=args.min_workers, max_workers=args.max_workers, ttft_p90_target_s=args.ttft_s,
+            itl_p90_target_s=args.itl_s, planner_interval_s=args.interval_s, worker_capacity=float(args.slots),
+            worker_start_s=3.0, scale_out_cooldown_s=3.0, scale_in_cooldown_s=10.0, scale_in_stable=3,
+        )  # fmt: skip
+        port = free_port()
+        front = await Child.spawn("frontend", [sys.executable, "-m", "launch", "frontend", "--port", str(port),
+                                               "--kafka", kafka, "--redis", redis, "--model-path", args.model_path,
+                                               "--heartbeat-interval-s", "0.5", "--log-level", "warning"], echo=False)  # fmt: skip
+        cleanup.push_async_callback(_quietly, front.stop)
+        # Watched from now: the frontend may be ready while the workers are still starting.
+        front_ready = asyncio.ensure_future(front.wait_for_line(lambda ln: ln.startswith("ferry-frontend-ready"), 120))
+        await actuator.scale(start)
+        await asyncio.gather(*(m.child.wait_for_line(lambda ln: ln.startswith("ferry-worker-ready"), 120)
+                               for m in actuator.workers.values()))  # fmt: skip
+        await front_ready
+        url = f"http://127.0.0.1:{port}"
+        local = None
+        stop = asyncio.Event()
+        tasks: list[asyncio.Task[Any]] = []
+        if name in ("planner", "hpa"):
+            local = await start_planner(policy, worker, kafka, redis, actuator)
+            cleanup.push_async_callback(_quietly, local.close)
+            if name == "hpa":
+                local.planner.policy = ReactivePolicy(policy, args.slots, window_s=args.ramp_s / 8)
+            tasks.append(asyncio.create_task(local.planner.run(stop)))
+        worker_seconds = 0.0
+        samples: list[tuple[float, int]] = []
 
-    async def meter() -> None:
-        nonlocal worker_seconds
-        last = time.monotonic()
-        while not stop.is_set():
-            await asyncio.sleep(0.5)  # the sampling period of the worker count
-            now = time.monotonic()
-            n = len(actuator.workers)
-            worker_seconds += n * (now - last)
-            samples.append((now - t0, n))
-            last = now
+        async def meter() -> None:
+            nonlocal worker_seconds
+            last = time.monotonic()
+            while not stop.is_set():
+                await asyncio.sleep(0.5)  # the sampling period of the worker count
+                now = time.monotonic()
+                n = len(actuator.workers)
+                worker_seconds += n * (now - last)
+                samples.append((now - t0, n))
+                last = now
 
-    t0 = time.monotonic()
-    tasks.append(asyncio.create_task(meter()))
-    results: list[Result] = []
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=1000)) as c:
+        t0 = time.monotonic()
+        tasks.append(asyncio.create_task(meter()))
+        results: list[Result] = []
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=1000)) as c:
 
-        async def fire(at: float, item: WorkItem) -> None:
-            await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))  # the arrival time itself
-            results.append(await one(c, item, t0))
+            async def fire(at: float, item: WorkItem) -> None:
+                await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))  # the arrival time itself
+                results.append(await one(c, item, t0))
 
-        await asyncio.gather(*(fire(at, items[i % len(items)]) for i, at in enumerate(times)))
-    stop.set()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    decisions = list(local.planner.decisions) if local else []
-    await front.stop()
-    drained, crashed = list(actuator.drained), list(actuator.crashed)
-    await actuator.stop_all()
-    if local:
-        await local.close()
-    for child in (redis_child, broker):
-        with contextlib.suppress(Exception):
-            await child.stop()
-    return summarise(name, args, results, worker_seconds, decisions, drained, crashed, samples)
+            await asyncio.gather(*(fire(at, items[i % len(items)]) for i, at in enumerate(times)))
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        decisions = list(local.planner.decisions) if local else []
+        await front.stop()
+        drained, crashed = list(actuator.drained), list(actuator.crashed)
+        return summarise(name, args, results, worker_seconds, decisions, drained, crashed, samples)
 
 
 def summarise(name: str, args: argparse.Namespace, results: list[Result], worker_seconds: float,
