@@ -10,8 +10,8 @@ from typing import Any
 
 from launch.flags import default_text, sections
 from launch.stack import PER_CHILD
-from schemas.ops_settings import PlannerPolicySettings, PlannerSettings, UsageSettings
-from schemas.settings import ENV_PREFIX, CommonSettings, FrontendSettings, StackSettings, WorkerSettings
+from schemas.ops_settings import PlannerPolicySettings, PlannerSettings, StackSettings, UsageSettings
+from schemas.settings import ENV_PREFIX, CommonSettings, FrontendSettings, WorkerSettings
 
 UP_TITLE = "`ferry up`"
 

@@ -19,8 +19,8 @@ from launch.model_prepare import ModelPrepareError
 from launch.model_source import resolve_model
 from launch.monitor import Monitor, start_monitor
 from launch.services import Child, free_port, start_broker, start_redis
-from schemas.ops_settings import PlannerPolicySettings
-from schemas.settings import FrontendSettings, StackSettings, WorkerSettings
+from schemas.ops_settings import PlannerPolicySettings, StackSettings
+from schemas.settings import FrontendSettings, WorkerSettings
 from server.tenants import TenantsError, configured_tenants
 
 log = logging.getLogger("ferry.stack")

@@ -1,5 +1,5 @@
-"""Settings of the operator tools: the planner's policy and process (`ferry planner`, `ferry up --autoscale`)
-and `ferry usage`. Declared like every other group in schemas/settings.py, one declaration per setting."""
+"""Settings of the operator tools: `ferry up` itself, the planner's policy and process (`ferry planner`,
+`ferry up --autoscale`) and `ferry usage`. Declared like every other group in schemas/settings.py, one declaration per setting."""
 
 from __future__ import annotations
 
@@ -115,3 +115,40 @@ class UsageSettings:
         default="tenant", metadata=_help("group by tenant, model or key (key id)")
     )
     csv: bool = dataclasses.field(default=False, metadata=_help("CSV instead of a table"))
+
+
+@dataclasses.dataclass(kw_only=True)
+class StackSettings:
+    """Settings of `ferry up` itself (it also takes the frontend's and the workers')."""
+
+    workers: int = dataclasses.field(
+        default=2,
+        metadata=_help("number of aggregated workers (role both) to start; may be 0 with the pools below"),
+    )
+    prefill_workers: int = dataclasses.field(
+        default=0, metadata=_help("number of prefill workers (role prefill, disaggregated serving) to start")
+    )
+    decode_workers: int = dataclasses.field(
+        default=0, metadata=_help("number of decode workers (role decode, disaggregated serving) to start")
+    )
+    kafka: str = dataclasses.field(
+        default="", metadata=_help("use this Kafka instead of starting the embedded broker")
+    )
+    redis: str = dataclasses.field(
+        default="", metadata=_help("use this Redis instead of starting an embedded one")
+    )
+    monitor: bool = dataclasses.field(
+        default=False,
+        metadata=_help(
+            "also start Prometheus (`make prometheus` installs it) scraping the stack through discovery"
+        ),
+    )
+    ready_timeout_s: float = dataclasses.field(
+        default=120.0, metadata=_help("give up if the stack is not ready within this many seconds")
+    )
+    autoscale: bool = dataclasses.field(
+        default=False,
+        metadata=_help(
+            "run the planner: --workers is the starting count, between --min-workers and --max-workers"
+        ),
+    )

@@ -9,8 +9,8 @@ import pytest
 
 from launch.flags import build_parser, from_namespace, load, to_argv
 from launch.stack import PER_CHILD, _worker_argv, load_stack, stack_parser
-from schemas.ops_settings import PlannerPolicySettings
-from schemas.settings import FrontendSettings, StackSettings, WorkerSettings
+from schemas.ops_settings import PlannerPolicySettings, StackSettings
+from schemas.settings import FrontendSettings, WorkerSettings
 
 
 def test_settings_from_flags_env_and_defaults() -> None:
