@@ -155,11 +155,16 @@ class LocalPlanner:
 
     async def close(self) -> None:
         """Close the planner's clients."""
-        for close in self._closers:
-            with contextlib.suppress(Exception):
-                result = close()
-                if asyncio.iscoroutine(result):
-                    await result
+        await _close_all(self._closers)
+
+
+async def _close_all(closers: Sequence[Callable[[], object]]) -> None:
+    """Call each closer (awaiting those that return a coroutine); one that fails does not stop the rest."""
+    for close in closers:
+        with contextlib.suppress(Exception):
+            result = close()
+            if asyncio.iscoroutine(result):
+                await result
 
 
 async def start_planner(
@@ -177,7 +182,12 @@ async def start_planner(
     redis = redis_client(redis_url)
     http = httpx.AsyncClient()
     lag = KafkaLag(kafka)
-    await lag.start()
+    try:
+        await lag.start()
+    except BaseException:
+        # A broker that is not up yet must not leave the clients opened so far behind the error.
+        await _close_all([http.aclose, redis.aclose])
+        raise
     metrics = PlannerMetrics()
     server, _thread = start_http_server(free_port(), addr="127.0.0.1", registry=metrics.registry)
     model = worker.served_model_name

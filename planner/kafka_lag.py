@@ -6,6 +6,7 @@ worker is behind) and the model's `ferry.pool.<model>` (batch items nobody has t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -31,14 +32,20 @@ class KafkaLag:
         self._offsets = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
 
     async def start(self) -> None:
-        """Connect."""
-        await self._admin.start()
-        await self._offsets.start()
+        """Connect; on failure nothing is left open."""
+        try:
+            await self._admin.start()
+            await self._offsets.start()
+        except BaseException:
+            await self.close()
+            raise
 
     async def close(self) -> None:
-        """Disconnect."""
-        await self._offsets.stop()
-        await self._admin.close()
+        """Disconnect (also what a failed start opened)."""
+        with contextlib.suppress(KafkaError, OSError):
+            await self._offsets.stop()
+        with contextlib.suppress(KafkaError, OSError):
+            await self._admin.close()
 
     async def _lag(self, group: str, tps: list[TopicPartition]) -> int:
         if not tps:

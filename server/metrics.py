@@ -11,6 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from bus.lag_gauge import ConsumerLag
 from bus.reader import Reader
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -112,10 +113,7 @@ class FrontendMetrics:
             registry=r,
         )
         self.kafka_errors = Counter("ferry_kafka_errors", "Produces that failed", registry=r)
-        self.kafka_lag = Gauge(
-            "ferry_kafka_consumer_lag", "Records in a topic this process's consumer has not read yet",
-            ["topic", "group"], registry=r,
-        )  # fmt: skip
+        self.kafka_lag = ConsumerLag(r)
         self.redis_seconds = Histogram(
             "ferry_redis_seconds", "Redis round trips", ["op"], buckets=_FAST_BUCKETS, registry=r
         )
@@ -205,5 +203,4 @@ class FrontendMetrics:
 
     async def record_lag(self, reader: Reader[Any]) -> None:
         """Set the consumer lag of `reader`'s topics."""
-        for topic, lag in (await reader.lag()).items():
-            self.kafka_lag.labels(topic, reader.group).set(lag)
+        await self.kafka_lag.record(reader)

@@ -20,6 +20,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
+from bus.lag_gauge import ConsumerLag
 from bus.reader import Reader
 from kvstore.registry import reachable_host
 from workers.engine import EngineStats
@@ -90,10 +91,7 @@ class WorkerMetrics:
         self.waiting = Gauge("ferry_worker_engine_waiting", "Sequences waiting in the engine", registry=r)
         self.kv_usage = Gauge("ferry_worker_kv_usage", "Fraction of KV blocks in use", registry=r)
         self.inflight = Gauge("ferry_worker_inflight", "Requests being served", registry=r)
-        self.kafka_lag = Gauge(
-            "ferry_kafka_consumer_lag", "Records in a topic this process's consumer has not read yet",
-            ["topic", "group"], registry=r,
-        )  # fmt: skip
+        self.kafka_lag = ConsumerLag(r)
         self.kafka_send_errors = Counter(
             "ferry_worker_kafka_send_errors", "Reply chunks Kafka failed to take", registry=r
         )
@@ -104,9 +102,13 @@ class WorkerMetrics:
         self.kv_log_records = Counter(
             "ferry_worker_kv_log_records", "Records written to the KV log, by kind", ["kind"], registry=r
         )
-        self.kv_log_errors = Counter("ferry_worker_kv_log_errors", "KV log writes Kafka did not take", registry=r)
+        self.kv_log_errors = Counter(
+            "ferry_worker_kv_log_errors", "KV log writes Kafka did not take", registry=r
+        )
         self.kv_index_resets = Counter(
-            "ferry_worker_kv_index_resets", "Times the backlog overflowed and the index was rebuilt", registry=r
+            "ferry_worker_kv_index_resets",
+            "Times the backlog overflowed and the index was rebuilt",
+            registry=r,
         )
         self.heartbeat_errors = Counter(
             "ferry_worker_heartbeat_errors", "Heartbeats Redis did not take", registry=r
@@ -121,8 +123,7 @@ class WorkerMetrics:
 
     async def record_lag(self, reader: Reader[Any]) -> None:
         """Set the consumer lag of `reader`'s topics."""
-        for topic, lag in (await reader.lag()).items():
-            self.kafka_lag.labels(topic, reader.group).set(lag)
+        await self.kafka_lag.record(reader)
 
     def exposition(self, model: str, worker: str) -> CollectorRegistry:
         """What /metrics serves: these families labelled with `model` and `worker`, and the process's own."""
