@@ -216,7 +216,8 @@ class ReplyDemux:
         self._rolls = 0
         self._roll_after = 0.0  # monotonic time before which no roll is tried (after a failed one)
         self._reassign = False
-        self._doomed: list[tuple[float, str]] = []  # (delete at, topic) of retired replies topics
+        self._doomed: list[tuple[float, str]] = []  # (delete at, topic) of retired replies topics, in order
+        self._deleting: asyncio.Task[None] | None = None
         self._reader = Reader(
             "replies",
             bootstrap,
@@ -260,8 +261,11 @@ class ReplyDemux:
         self._reader.run()
 
     async def stop(self) -> None:
-        """Stop reading."""
+        """Stop reading (and deleting)."""
         await self._reader.stop()
+        if self._deleting is not None:
+            self._deleting.cancel()
+            await asyncio.gather(self._deleting, return_exceptions=True)
 
     def register(self, stream: ClientStream) -> tuple[str, int]:
         """Route chunks of every sequence of `stream` to it.
@@ -329,8 +333,10 @@ class ReplyDemux:
             self.on_reset()
 
     async def _after_poll(self, got_records: bool) -> None:
-        if not got_records and self._doomed:
-            await self._delete_retired()
+        # Deleting is an admin round trip: off the reading loop, so replies keep flowing meanwhile, and
+        # whether or not this poll brought records (under steady load every poll does).
+        if self._doomed and self._doomed[0][0] <= time.monotonic() and self._deleting is None:
+            self._deleting = asyncio.create_task(self._delete_retired(), name="replies-delete")
         current = self._current
         if (
             current is not None
@@ -385,12 +391,12 @@ class ReplyDemux:
         """Delete retired replies topics whose retention is over (best effort: Kafka may refuse)."""
         now = time.monotonic()
         due = [t for at, t in self._doomed if at <= now]
-        if not due:
-            return
         self._doomed = [(at, t) for at, t in self._doomed if at > now]
         try:
             await delete_topics(self._bootstrap, due)
-        except KafkaError as exc:
+        except (KafkaError, OSError) as exc:
             log.warning("could not delete retired replies topics %s: %r", due, exc)
         else:
             log.info("replies: deleted retired topics %s", due)
+        finally:
+            self._deleting = None

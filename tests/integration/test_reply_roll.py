@@ -117,6 +117,24 @@ async def test_demux_rolls_reads_old_topics_while_used_then_deletes_them(kafka: 
         assert await delivered(new, 1) == [8]
 
 
+async def test_a_retired_topic_is_deleted_while_replies_keep_arriving(kafka: str) -> None:
+    # Under steady load every poll brings records; retired topics must still go when their time is up.
+    async with demux_rig(kafka, roll_records=1, retain_s=0.3) as (demux, reply, base):
+        await reply(base, Chunk("none.0", 0, token_ids=[0]))
+        await until(rolled_from(demux, base), 20, 0.01)
+        busy = stream_of("busy")
+        topic, _ = demux.register(busy)
+        gone = False
+        i = 0
+        async with asyncio.timeout(30):
+            while not gone:
+                await reply(topic, Chunk("busy.0", i, token_ids=[i]))
+                assert await delivered(busy, 1) == [i]
+                i += 1
+                gone = base not in await topics(kafka)
+        assert base not in demux.topics
+
+
 async def test_requests_across_rolls_complete_and_a_stream_resumes_from_its_topic(h: Harness) -> None:
     await h.add_worker(speedup=1.0)  # real time: the resumable stream is still running when dropped
     # A wave of 8 concurrent requests of 30 tokens makes at least 30 records (a worker sends the chunks of
@@ -134,7 +152,9 @@ async def test_requests_across_rolls_complete_and_a_stream_resumes_from_its_topi
     }
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
         events: list[tuple[str | None, str]] = []
-        async with c.stream("POST", "/v1/chat/completions", json=body, headers={"x-ferry-resumable": "1"}) as r:
+        async with c.stream(
+            "POST", "/v1/chat/completions", json=body, headers={"x-ferry-resumable": "1"}
+        ) as r:
             assert r.status_code == 200
             rid = r.headers["x-request-id"]
             async for e in sse_events(r):
@@ -198,13 +218,17 @@ async def test_a_stream_that_ends_while_the_demux_reassigns_does_not_kill_it(kaf
         assert await delivered(last, 1) == [10]
 
 
-async def test_a_roll_the_broker_refuses_is_tried_again_later(kafka: str, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_roll_the_broker_refuses_is_tried_again_later(
+    kafka: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Chaos run: the broker was restarting when the demux wanted a fresh topic, and the admin client's
     # KafkaConnectionError killed the reply consumer. Now it stays on its topic and rolls later.
     real = kafka_io.ensure_topics
     refused: list[str] = []
 
-    async def away_once(bootstrap: str, topics: dict[str, int], configs: dict[str, str] | None = None) -> None:
+    async def away_once(
+        bootstrap: str, topics: dict[str, int], configs: dict[str, str] | None = None
+    ) -> None:
         if not refused:
             refused.extend(topics)
             raise KafkaConnectionError("Unable to bootstrap (injected)")
