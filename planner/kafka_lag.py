@@ -1,7 +1,7 @@
 """Kafka lag: records in a topic its consumer group has not committed yet (end offset - committed offset).
 
-Two backlogs matter to the planner: each worker's `ferry.requests.<worker>` (routed, not yet read: the
-worker is behind) and the model's `ferry.pool.<model>` (batch items nobody has taken yet).
+Two backlogs matter to the planner: each worker's `ferry.requests.<worker>` and its rolled epochs (routed,
+not yet read: the worker is behind) and the model's `ferry.pool.<model>` (batch items nobody has taken yet).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
-from schemas.names import pool_group, pool_topic, request_topic
+from schemas.names import pool_group, pool_topic, request_epoch, request_topic
 
 log = logging.getLogger("ferry.planner")
 
@@ -22,6 +22,12 @@ log = logging.getLogger("ferry.planner")
 def worker_group(worker_id: str) -> str:
     """The consumer group a worker commits its requests topic under (workers/inbox.py)."""
     return f"ferry-worker-{worker_id}"
+
+
+def is_request_topic_of(topic: str, worker_id: str) -> bool:
+    """Whether `topic` carries requests to `worker_id`: its one topic, or one of its rolled epochs."""
+    base = request_topic(worker_id)
+    return topic == base or (topic.startswith(f"{base}.e") and request_epoch(topic) is not None)
 
 
 class KafkaLag:
@@ -82,9 +88,12 @@ class KafkaLag:
     async def workers(self, worker_ids: Sequence[str]) -> int | None:
         """Requests routed to these workers and not yet committed by them; None if the broker did not answer."""
         try:
+            # With --request-roll-s a worker's requests are spread over epoch topics: count each one listed.
+            listed = await self._offsets.topics()
             total = 0
             for wid in worker_ids:
-                total += await self._lag(worker_group(wid), [TopicPartition(request_topic(wid), 0)])
+                tps = [TopicPartition(t, 0) for t in listed if is_request_topic_of(t, wid)]
+                total += await self._lag(worker_group(wid), tps)
         except (KafkaError, OSError) as exc:
             log.warning("planner: cannot read the workers' topic lag (%r)", exc)
             return None
