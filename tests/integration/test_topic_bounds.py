@@ -8,6 +8,7 @@ topics behind it once read. On Apache Kafka the bound is retention: every topic 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import httpx
@@ -26,8 +27,10 @@ from schemas.names import (
     reply_topic,
     request_topic,
 )
-from tests.harness import Harness, until
+from tests.harness import Harness, sse_events, until
 from tests.integration.test_delivery import read_one
+from tests.integration.test_resume import chat as resume_chat
+from tests.integration.test_resume import read_some, ready
 
 pytestmark = pytest.mark.integration
 
@@ -205,6 +208,55 @@ async def test_a_request_the_broker_lost_in_an_epoch_behind_the_window_is_sent_a
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] == 6
     assert fe.metrics.requests_lost._value.get() == 1
+
+
+async def test_streams_outlive_their_request_epoch_resumed_or_cancelled(h: Harness, kafka: str) -> None:
+    # A stream's request topic is read and deleted while the stream goes on: a dropped resumable stream is
+    # resumed whole, and a client that leaves after its epoch was deleted still cancels its request.
+    roll_s = 10.0  # the test moves the clocks
+    now = [1_000_000.0]
+    w = await h.add_worker(request_roll_s=roll_s, speedup=1.0)  # real time: the requests are still running
+    fe, url = await h.add_frontend(request_roll_s=roll_s)
+    inbox = w.worker._inbox
+    inbox.topics.clock = fe.svc.dispatcher.topics.clock = lambda: now[0]
+    inbox.topics.grace_s = fe.svc.dispatcher.topics.grace_s = 0.0
+    wid = w.worker.settings.worker_id
+    engine = w.worker.engine
+
+    async def roll_past(topic: str) -> None:
+        # The clocks move on until `topic` lies behind the window, and the worker deletes it once read.
+        now[0] += (inbox.topics.LAG + 2) * roll_s
+
+        async def deleted() -> bool:
+            return topic not in await topics(kafka)
+
+        await until(deleted, 20, 0.1)
+
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        await ready(c, url)
+        first = inbox.topics.current(wid)
+        rid, head = await read_some(c, "/v1/chat/completions", resume_chat(max_tokens=300), 12)
+        assert fe.svc.dispatcher._sent_to[f"{rid}.0"] == first  # (its one sequence)
+        await roll_past(first)
+        async with c.stream(
+            "GET", f"/v1/chat/completions/{rid}/stream", headers={"last-event-id": str(head[-1][0])}
+        ) as r:
+            assert r.status_code == 200
+            tail = [e async for e in sse_events(r)]
+        ids = [int(i) for i, _ in head + tail if i is not None]
+        assert ids == list(range(len(ids))) and tail[-1] == (None, "[DONE]")
+        assert json.loads(tail[-2][1])["usage"]["completion_tokens"] == 300
+        # A plain stream leaves after its epoch was deleted: its cancel goes to the current epoch.
+        await asyncio.wait_for(w.worker.idle.wait(), 20)
+        second = inbox.topics.current(wid)
+        async with c.stream("POST", "/v1/chat/completions", json=resume_chat(max_tokens=5000)) as r:
+            assert r.status_code == 200
+            events = sse_events(r)
+            await anext(events)
+            await roll_past(second)
+            assert engine.stats().running == 1
+        await asyncio.wait_for(w.worker.idle.wait(), 20)
+        assert engine.stats().running == 0 and engine.stats().kv_usage == 0.0
 
 
 async def test_a_producer_keeps_the_metadata_of_a_topic_with_a_record_on_its_way(kafka: str) -> None:

@@ -55,7 +55,14 @@ def test_ferry_up_passes_each_child_the_flags_given_for_it(monkeypatch: pytest.M
         "--request-roll-s",
         "60.0",
     ]
-    assert stack.worker_flags == ["--speedup", "20.0", "--heartbeat-interval-s", "0.5", "--request-roll-s", "60.0"]
+    assert stack.worker_flags == [
+        "--speedup",
+        "20.0",
+        "--heartbeat-interval-s",
+        "0.5",
+        "--request-roll-s",
+        "60.0",
+    ]
     assert load(WorkerSettings, stack.worker_flags).speedup == 20.0
 
 
@@ -73,7 +80,8 @@ def test_ferry_up_rolls_request_topics_on_its_embedded_broker_unless_told_otherw
     assert rolls([]) == (60.0, 60.0)  # the embedded broker never trims a topic
     assert rolls(["--request-roll-s", "0"]) == (0.0, 0.0)  # the operator's choice stands
     assert rolls(["--request-roll-s", "5"]) == (5.0, 5.0)
-    assert rolls(["--kafka", "k:9092"]) == (0.0, 0.0)  # a Kafka of the operator's: its retention bounds topics
+    # A Kafka of the operator's: its retention bounds the topics.
+    assert rolls(["--kafka", "k:9092"]) == (0.0, 0.0)
     monkeypatch.setenv("FERRY_REQUEST_ROLL_S", "0")  # set as a variable: the children read it themselves
     stack = load_stack([])
     assert "--request-roll-s" not in stack.frontend_flags + stack.worker_flags
