@@ -88,8 +88,9 @@ class RequestTopics:
     # epoch, and by a frontend whose clock lags.
     LAG = 1
     # An epoch is deleted no sooner than this long after it ended: a request sent in its last moments can
-    # take that long to land (the frontend's send timeout, the producer's retries), and the worker must
-    # have fetched it before it judges the topic read.
+    # take that long to land (the frontend's send timeout, `--kafka-timeout-s`, 5 s), and the worker must
+    # have fetched it before it judges the topic read; and a frontend's delivery check (`--delivery-check-s`,
+    # 10 s) must still find the topic to tell a request the broker lost from one it holds. Longer than both.
     GRACE_S = 30.0
 
     def __init__(self, roll_s: float, clock: Callable[[], float] = time.time) -> None:
@@ -122,6 +123,14 @@ class RequestTopics:
         """True for a rolled topic behind the window whose epoch ended `grace_s` ago or more."""
         t = request_epoch(topic)
         return self.behind(topic) and t is not None and self.clock() >= (t + 1) * self.roll_s + self.grace_s
+
+    def maybe_deleted(self, topic: str) -> bool:
+        """True for a rolled topic its worker may have deleted by now: its epoch ended `grace_s` ago, less an
+        epoch for the clocks' difference. Until then it can be looked into (server/delivery.py)."""
+        t = request_epoch(topic)
+        if t is None or self.roll_s <= 0:
+            return False
+        return self.clock() >= t * self.roll_s + self.grace_s and self.behind(topic, margin=1)
 
     def ahead(self, worker_id: str) -> str:
         """The topic of the next epoch (the worker creates it before anyone writes there)."""

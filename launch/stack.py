@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import secrets
 import signal
 import sys
@@ -20,7 +21,7 @@ from launch.model_source import resolve_model
 from launch.monitor import Monitor, start_monitor
 from launch.services import Child, free_port, start_broker, start_redis
 from schemas.ops_settings import PlannerPolicySettings, StackSettings
-from schemas.settings import FrontendSettings, WorkerSettings
+from schemas.settings import ENV_PREFIX, FrontendSettings, WorkerSettings
 from server.tenants import TenantsError, configured_tenants
 
 log = logging.getLogger("ferry.stack")
@@ -29,6 +30,10 @@ log = logging.getLogger("ferry.stack")
 PER_CHILD = ("frontend_id", "worker_id")
 # Set on each child from what the launcher started or chose.
 _CHOSEN = ("kafka", "redis", "port")
+# Children's settings whose default differs when `ferry up` starts its own broker: the embedded broker never
+# trims a topic and slows as a partition grows (docs/architecture.md, broker quirks "slow long partitions"
+# and "no DeleteRecords, no retention"), so request topics roll there unless the operator chose otherwise.
+EMBEDDED_BROKER_DEFAULTS: dict[str, Any] = {"request_roll_s": 60.0}
 
 
 @dataclasses.dataclass
@@ -79,6 +84,8 @@ def load_stack(argv: Sequence[str] | None = None) -> Stack:
     # and a key set through FERRY_API_KEYS stays out of `ps`.
     passed = given(ns) - set(_CHOSEN)
     settings, planner = from_namespace(StackSettings, ns), from_namespace(PlannerPolicySettings, ns)
+    if not settings.kafka:
+        frontend, worker, passed = _embedded_defaults(frontend, worker, passed)
     try:  # a bad tenants file stops `ferry up` before anything starts
         configured_tenants(frontend.tenants, frontend.api_keys)
     except TenantsError as exc:
@@ -107,6 +114,23 @@ def load_stack(argv: Sequence[str] | None = None) -> Stack:
         )
     return Stack(settings, frontend, worker, to_argv(frontend, only=passed), to_argv(worker, only=passed),
                  planner, engine_flags, passed)  # fmt: skip
+
+
+def _embedded_defaults(
+    frontend: FrontendSettings, worker: WorkerSettings, passed: set[str]
+) -> tuple[FrontendSettings, WorkerSettings, set[str]]:
+    """The children's settings with `EMBEDDED_BROKER_DEFAULTS` for those the operator set neither as a flag
+    nor as a FERRY_* variable."""
+    chosen = {
+        name: value
+        for name, value in EMBEDDED_BROKER_DEFAULTS.items()
+        if name not in passed and ENV_PREFIX + name.upper() not in os.environ
+    }
+    return (
+        dataclasses.replace(frontend, **chosen),
+        dataclasses.replace(worker, **chosen),
+        passed | set(chosen),
+    )
 
 
 def resolve_stack_model(stack: Stack) -> Stack:

@@ -99,8 +99,8 @@ class CommonSettings:
         metadata=_help(
             "send requests to a fresh per-worker topic every this many seconds of the wall clock and delete "
             "the read ones (the embedded broker never trims a topic); frontends and workers must use the "
-            "same value and clocks that agree to well within it (e.g. 60); 0 = one topic per worker. "
-            "Experimental: at sub-second epochs on a loaded host a request is sometimes lost"
+            "same value and clocks that agree to well within it; 0 = one topic per worker. `ferry up` "
+            "starting its embedded broker passes 60 to its children unless this is set"
         ),
     )
     kv_log: bool = dataclasses.field(

@@ -87,9 +87,13 @@ class Dispatcher:
             # The epoch turned more than once meanwhile (a slow broker): the worker no longer reads that one.
 
     def topic_of(self, worker_id: str, request_id: str) -> str | None:
-        """The topic `request_id` was sent to; None once its worker has read and deleted that topic."""
+        """The topic `request_id` was sent to; None once its worker may have read and deleted that topic.
+
+        Not as soon as the topic falls behind the worker's window: at short epochs every topic is behind
+        by the time a request is looked up, and a request the broker lost there would never be sent again.
+        """
         topic = self._sent_to.get(request_id) or self.topics.current(worker_id)
-        return None if self.topics.behind(topic) else topic
+        return None if self.topics.maybe_deleted(topic) else topic
 
     async def submit(self, worker_id: str, request: GenerateRequest, cancel_on_timeout: bool = True) -> int:
         """Hand one request to a worker; returns its offset in the worker's topic, 503 if the broker does not

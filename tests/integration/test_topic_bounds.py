@@ -8,6 +8,7 @@ topics behind it once read. On Apache Kafka the bound is retention: every topic 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import httpx
@@ -17,7 +18,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from bus.produce import TrackingProducer
-from bus.topics import ensure_topics
+from bus.topics import delete_topics, ensure_topics
 from schemas.names import (
     admin_topic,
     batch_results_topic,
@@ -26,7 +27,10 @@ from schemas.names import (
     reply_topic,
     request_topic,
 )
-from tests.harness import Harness, until
+from tests.harness import Harness, sse_events, until
+from tests.integration.test_delivery import read_one
+from tests.integration.test_resume import chat as resume_chat
+from tests.integration.test_resume import read_some, ready
 
 pytestmark = pytest.mark.integration
 
@@ -61,10 +65,12 @@ async def test_requests_across_request_topic_rolls_all_complete_and_read_topics_
 ) -> None:
     roll_s = 0.5
     w = await h.add_worker(request_roll_s=roll_s)
-    fe, url = await h.add_frontend(request_roll_s=roll_s)
+    # A send gives up (503) before the worker may judge its epoch read (`RequestTopics.GRACE_S`).
+    fe, url = await h.add_frontend(request_roll_s=roll_s, kafka_timeout_s=2.0)
     wid = w.worker.settings.worker_id
     inbox = w.worker._inbox
-    inbox.topics.grace_s = 3.0  # (30 s by default) a read epoch is deleted 3 s after it ended
+    # (30 s by default) a read epoch is deleted 3 s after it ended
+    inbox.topics.grace_s = fe.svc.dispatcher.topics.grace_s = 3.0
     used: set[str] = set()
     body = {"model": MODEL, "prompt": "Count", "max_tokens": 20, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
@@ -166,6 +172,91 @@ async def test_requests_in_epochs_the_worker_rolled_past_are_read_and_only_writt
         assert request_topic(wid, epoch + 2) not in await topics(kafka)
         again = await c.post("/v1/completions", json=body)
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 5
+
+
+async def test_a_request_the_broker_lost_in_an_epoch_behind_the_window_is_sent_again(
+    h: Harness, kafka: str
+) -> None:
+    # At short epochs a request's topic lies behind its worker's window by the time the frontend's delivery
+    # check looks for the request (`--delivery-check-s` without an answer); the topic stays until the worker
+    # may delete it, and the check must look there meanwhile, or a request the broker lost is never sent
+    # again (the stream hangs).
+    roll_s = 10.0  # the test moves the clocks
+    now = [1_000_000.0]  # the start of an epoch
+    w = await h.add_worker(request_roll_s=roll_s)
+    fe, url = await h.add_frontend(request_roll_s=roll_s, delivery_check_s=1.0, request_timeout_s=60.0)
+    inbox = w.worker._inbox
+    inbox.topics.clock = fe.svc.dispatcher.topics.clock = lambda: now[0]
+    wid = w.worker.settings.worker_id
+    first = inbox.topics.current(wid)
+    await until(lambda: _async(first in inbox._window), 10, 0.05)
+    # The worker stops reading (it keeps heartbeating): the request waits in the broker, as under load.
+    consumer = inbox.reader.consumer
+    consumer.pause(TopicPartition(first, 0))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        call = asyncio.create_task(c.post("/v1/chat/completions", json=body))
+        await read_one(kafka, first)
+        # The broker loses it (as Tansu does when it restarts empty), and the clocks move on until its topic
+        # lies behind the worker's window, within the grace before the worker may delete it.
+        await delete_topics(kafka, [first])
+        await ensure_topics(kafka, {first: 1})
+        now[0] += (inbox.topics.LAG + 1) * roll_s
+        assert inbox.topics.behind(first) and not inbox.topics.deletable(first)
+        consumer.resume(TopicPartition(first, 0))
+        answer = await asyncio.wait_for(call, 30)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 6
+    assert fe.metrics.requests_lost._value.get() == 1
+
+
+async def test_streams_outlive_their_request_epoch_resumed_or_cancelled(h: Harness, kafka: str) -> None:
+    # A stream's request topic is read and deleted while the stream goes on: a dropped resumable stream is
+    # resumed whole, and a client that leaves after its epoch was deleted still cancels its request.
+    roll_s = 10.0  # the test moves the clocks
+    now = [1_000_000.0]
+    w = await h.add_worker(request_roll_s=roll_s, speedup=1.0)  # real time: the requests are still running
+    fe, url = await h.add_frontend(request_roll_s=roll_s)
+    inbox = w.worker._inbox
+    inbox.topics.clock = fe.svc.dispatcher.topics.clock = lambda: now[0]
+    inbox.topics.grace_s = fe.svc.dispatcher.topics.grace_s = 0.0
+    wid = w.worker.settings.worker_id
+    engine = w.worker.engine
+
+    async def roll_past(topic: str) -> None:
+        # The clocks move on until `topic` lies behind the window, and the worker deletes it once read.
+        now[0] += (inbox.topics.LAG + 2) * roll_s
+
+        async def deleted() -> bool:
+            return topic not in await topics(kafka)
+
+        await until(deleted, 20, 0.1)
+
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        await ready(c, url)
+        first = inbox.topics.current(wid)
+        rid, head = await read_some(c, "/v1/chat/completions", resume_chat(max_tokens=300), 12)
+        assert fe.svc.dispatcher._sent_to[f"{rid}.0"] == first  # (its one sequence)
+        await roll_past(first)
+        async with c.stream(
+            "GET", f"/v1/chat/completions/{rid}/stream", headers={"last-event-id": str(head[-1][0])}
+        ) as r:
+            assert r.status_code == 200
+            tail = [e async for e in sse_events(r)]
+        ids = [int(i) for i, _ in head + tail if i is not None]
+        assert ids == list(range(len(ids))) and tail[-1] == (None, "[DONE]")
+        assert json.loads(tail[-2][1])["usage"]["completion_tokens"] == 300
+        # A plain stream leaves after its epoch was deleted: its cancel goes to the current epoch.
+        await asyncio.wait_for(w.worker.idle.wait(), 20)
+        second = inbox.topics.current(wid)
+        async with c.stream("POST", "/v1/chat/completions", json=resume_chat(max_tokens=5000)) as r:
+            assert r.status_code == 200
+            events = sse_events(r)
+            await anext(events)
+            await roll_past(second)
+            assert engine.stats().running == 1
+        await asyncio.wait_for(w.worker.idle.wait(), 20)
+        assert engine.stats().running == 0 and engine.stats().kv_usage == 0.0
 
 
 async def test_a_producer_keeps_the_metadata_of_a_topic_with_a_record_on_its_way(kafka: str) -> None:

@@ -45,15 +45,46 @@ def test_ferry_up_passes_each_child_the_flags_given_for_it(monkeypatch: pytest.M
     assert stack.frontend.api_keys == "secret" and stack.worker.block_size == 32  # read from the variables
     # Variables reach the children through their environment, never as flags (keys stay out of `ps`);
     # the launcher sets --port, --kafka and --redis itself.
+    # (and rolls request topics on the broker it starts itself)
     assert stack.frontend_flags == [
         "--router-policy",
         "round_robin",
         "--no-kv-events",
         "--heartbeat-interval-s",
         "0.5",
+        "--request-roll-s",
+        "60.0",
     ]
-    assert stack.worker_flags == ["--speedup", "20.0", "--heartbeat-interval-s", "0.5"]
+    assert stack.worker_flags == [
+        "--speedup",
+        "20.0",
+        "--heartbeat-interval-s",
+        "0.5",
+        "--request-roll-s",
+        "60.0",
+    ]
     assert load(WorkerSettings, stack.worker_flags).speedup == 20.0
+
+
+def test_ferry_up_rolls_request_topics_on_its_embedded_broker_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("FERRY_KAFKA", raising=False)
+    monkeypatch.delenv("FERRY_REQUEST_ROLL_S", raising=False)
+
+    def rolls(argv: list[str]) -> tuple[float, float]:
+        stack = load_stack(argv)
+        fe = load(FrontendSettings, stack.frontend_flags).request_roll_s
+        return fe, load(WorkerSettings, stack.worker_flags).request_roll_s
+
+    assert rolls([]) == (60.0, 60.0)  # the embedded broker never trims a topic
+    assert rolls(["--request-roll-s", "0"]) == (0.0, 0.0)  # the operator's choice stands
+    assert rolls(["--request-roll-s", "5"]) == (5.0, 5.0)
+    # A Kafka of the operator's: its retention bounds the topics.
+    assert rolls(["--kafka", "k:9092"]) == (0.0, 0.0)
+    monkeypatch.setenv("FERRY_REQUEST_ROLL_S", "0")  # set as a variable: the children read it themselves
+    stack = load_stack([])
+    assert "--request-roll-s" not in stack.frontend_flags + stack.worker_flags
 
 
 def test_ferry_up_starts_prefill_and_decode_pools_with_their_roles() -> None:
