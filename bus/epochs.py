@@ -57,6 +57,14 @@ class EpochTopics:
         e = self.epoch()
         return self.name(None if e is None else e + 1)
 
+    def ahead_due(self) -> bool:
+        """True once the next epoch should exist: `grace_s` into the current one (or at once, for epochs that
+        short). Every topic added or deleted rebalances the group that reads by pattern (seconds on the
+        embedded broker), so the next epoch is made when the last is deleted: members see both in one
+        metadata refresh, one rebalance an epoch, and still have most of an epoch to find the new topic."""
+        e = self.epoch()
+        return e is not None and (self.grace_s >= self.roll_s / 2 or self.clock() >= e * self.roll_s + self.grace_s)
+
     def over(self, topic: str) -> bool:
         """True for a rolled topic of this family whose epoch ended `grace_s` ago or more (nobody writes there)."""
         t = request_epoch(topic)

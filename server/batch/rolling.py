@@ -91,15 +91,11 @@ class BatchTopics:
         await self._prune(listed, self.results, batch_results_group(self.model))
 
     async def ensure_epochs(self) -> None:
-        """Create the current and the next epoch of both topics (unless done already)."""
-        await self._ensure(
-            {
-                self.pool.current(): self.partitions,
-                self.pool.ahead(): self.partitions,
-                self.results.current(): 1,
-                self.results.ahead(): 1,
-            }
-        )
+        """Create the current epoch of both topics, and the next one once the grace of the last has passed."""
+        topics = {self.pool.current(): self.partitions, self.results.current(): 1}
+        if self.pool.ahead_due():
+            topics.update({self.pool.ahead(): self.partitions, self.results.ahead(): 1})
+        await self._ensure(topics)
 
     async def _prune(self, listed: list[str], family: EpochTopics, group: str) -> None:
         over = sorted((t for t in listed if family.over(t)), key=lambda t: (len(t), t))
