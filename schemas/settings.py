@@ -109,7 +109,8 @@ class CommonSettings:
             "write batch items and their results to fresh ferry.pool.<model>.e<epoch> and "
             "ferry.batch.results.<model>.e<epoch> topics every this many seconds of the wall clock and delete "
             "each past epoch once its consumer group has read all of it (the embedded broker never trims a "
-            "topic); frontends and workers must use the same value; 0 = one topic each for good"
+            "topic); frontends and workers must use the same value; 0 = one topic each for good. `ferry up` "
+            "starting its embedded broker passes 3600 to its children unless this is set"
         ),
     )
     kv_log: bool = dataclasses.field(

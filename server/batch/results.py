@@ -96,10 +96,11 @@ class ResultCollector:
                 group_id=self.group,
                 offset_reset="earliest",
                 max_poll_records=2048,
-                # Each results topic (each epoch, with --pool-roll-s) has one partition; the range assignor
-                # gives partition 0 of every topic to the same member, so one frontend sees every chunk of
-                # an item even when its sequences ended in different epochs (round-robin would split them).
-                range_assignor=True,
+                # With --pool-roll-s each epoch is a topic of one partition; the range assignor gives
+                # partition 0 of every topic to the same member, so one frontend sees every chunk of an item
+                # even when its sequences ended in different epochs (round-robin would split them). Without
+                # rolling, aiokafka's default: members of another version still share the group's protocol.
+                range_assignor=roll_s > 0,
                 metadata_max_age_ms=metadata_age_ms(roll_s),
             ),
             Hooks(self._handle, after_poll=self._tend, error=self._retry, closing=self._last_commit_quietly),
