@@ -63,7 +63,9 @@ class EpochTopics:
         embedded broker), so the next epoch is made when the last is deleted: members see both in one
         metadata refresh, one rebalance an epoch, and still have most of an epoch to find the new topic."""
         e = self.epoch()
-        return e is not None and (self.grace_s >= self.roll_s / 2 or self.clock() >= e * self.roll_s + self.grace_s)
+        return e is not None and (
+            self.grace_s >= self.roll_s / 2 or self.clock() >= e * self.roll_s + self.grace_s
+        )
 
     def over(self, topic: str) -> bool:
         """True for a rolled topic of this family whose epoch ended `grace_s` ago or more (nobody writes there)."""
@@ -76,40 +78,47 @@ class EpochTopics:
         )
 
 
-async def read_up(bootstrap: str, group: str, topics: list[str]) -> list[str]:
-    """Those of `topics` (listed by the broker just now) whose every partition `group` has committed to its end.
+async def group_offsets(
+    bootstrap: str, group: str, select: Callable[[str], object]
+) -> dict[TopicPartition, tuple[int, int]]:
+    """(committed, end) of `group` on every partition of the topics `select` picks among those listed now.
 
-    A partition never written (end 0) counts as read. Metadata is asked for every topic, never for these by
-    name (broker quirk "metadata re-creates topics").
+    A partition with no commit counts as committed at 0. A fresh client lists every topic (its bootstrap
+    metadata), so no topic is asked for by name (broker quirk "metadata re-creates topics"); nothing is
+    tracked after it stops.
     """
-    if not topics:
-        return []
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
-    await consumer.start()
     try:
+        await consumer.start()
         await admin.start()
-        listed = await consumer.topics()  # every topic's metadata: the leaders end_offsets needs
-        tps = [
-            TopicPartition(t, p)
-            for t in topics
-            if t in listed
-            for p in consumer.partitions_for_topic(t) or ()
-        ]
+        # The bootstrap metadata covers every topic: the leaders end_offsets needs.
+        listed = sorted(t for t in consumer._client.cluster.topics() if select(t))
+        tps = [TopicPartition(t, p) for t in listed for p in consumer.partitions_for_topic(t) or ()]
         if not tps:
-            return []
+            return {}
         ends = await consumer.end_offsets(tps)
         committed = await admin.list_consumer_group_offsets(group, partitions=tps)
     finally:
         await consumer.stop()
         await admin.close()
-    unread = set()
+    out = {}
     for tp in tps:
         meta = committed.get(tp)
-        done = meta.offset if meta is not None and meta.offset >= 0 else 0
-        if done < ends.get(tp, 0):
-            unread.add(tp.topic)
-    return [t for t in topics if t in listed and t not in unread]
+        out[tp] = (meta.offset if meta is not None and meta.offset >= 0 else 0, ends.get(tp, 0))
+    return out
+
+
+async def read_up(bootstrap: str, group: str, topics: list[str]) -> list[str]:
+    """Those of `topics` the broker lists whose every partition `group` has committed to its end (a partition
+    never written, end 0, counts as read; a topic whose partitions are unknown does not)."""
+    if not topics:
+        return []
+    wanted = set(topics)
+    offsets = await group_offsets(bootstrap, group, wanted.__contains__)
+    seen = {tp.topic for tp in offsets}
+    unread = {tp.topic for tp, (done, end) in offsets.items() if done < end}
+    return [t for t in topics if t in seen and t not in unread]
 
 
 def metadata_age_ms(roll_s: float) -> int | None:
