@@ -14,9 +14,10 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from openai import AsyncOpenAI
 
+from bench.batch.kafka_native_example import chat_item, submit_and_collect
 from bus.epochs import EpochTopics
 from bus.topics import list_topics
-from schemas.names import batch_results_pattern, pool_pattern, request_epoch
+from schemas.names import batch_results_pattern, batch_results_topic, pool_pattern, pool_topic, request_epoch
 from tests.harness import Harness
 from tests.integration.test_batch_api import chat_line, final_batch, jsonl, until
 
@@ -171,3 +172,21 @@ async def test_an_unread_pool_epoch_stays_until_a_late_worker_reads_it(
         return item_epoch not in await epochs(kafka, pool_pattern(model))
 
     await until(deleted, 30, "the read epoch to be deleted")
+
+
+async def test_kafka_native_items_are_served_through_rolled_pool_topics(
+    h: Harness, kafka: str, tmp_path: Path
+) -> None:
+    model = model_name()
+    roll = {"pool_roll_s": ROLL_S}
+    await h.add_worker(pool=True, served_model_name=model, speedup=200.0, **roll)
+    await h.add_frontend(batch_api=True, served_model_name=model, batch_dir=str(tmp_path), **roll)
+    reply = f"svc.results.{uuid.uuid4().hex[:6]}"
+    items = [chat_item(f"k{i}", model, f"Question {i}?", reply) for i in range(6)]
+    results = await submit_and_collect(kafka, model, items, reply, timeout_s=60)
+    assert set(results) == {item["custom_id"] for item in items}
+    assert all(line["response"]["status_code"] == 200 for line in results.values())
+    # Only epochs went to the broker: the unrolled pool and results topics were never made.
+    names = await list_topics(kafka)
+    assert pool_topic(model) not in names and batch_results_topic(model) not in names
+    assert await epochs(kafka, pool_pattern(model))
