@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +19,11 @@ from openai import AsyncOpenAI
 from bench.batch.kafka_native_example import chat_item, submit_and_collect
 from bus.epochs import EpochTopics
 from bus.topics import list_topics
+from launch.services import Child
 from schemas.names import batch_results_pattern, batch_results_topic, pool_pattern, pool_topic, request_epoch
-from tests.harness import Harness
+from tests.harness import Harness, harness, worker_process
 from tests.integration.test_batch_api import chat_line, final_batch, jsonl, until
+from tests.integration.test_batch_durability import every_line, slow_lines, stop_frontend
 
 ROLL_S = 6.0
 
@@ -190,3 +194,52 @@ async def test_kafka_native_items_are_served_through_rolled_pool_topics(
     names = await list_topics(kafka)
     assert pool_topic(model) not in names and batch_results_topic(model) not in names
     assert await epochs(kafka, pool_pattern(model))
+
+
+async def test_a_rolled_batch_survives_a_killed_worker_and_a_frontend_restart(
+    kafka: str, redis_url: str, prefix: str, model_path: Path, tmp_path: Path
+) -> None:
+    model = model_name()
+    flags = ["--served-model-name", model, "--speedup", "4", "--pool-max-inflight", "3",
+             "--pool-session-timeout-s", "2", "--pool-roll-s", str(ROLL_S)]  # fmt: skip
+    workers: list[Child] = []
+    try:
+        for i in range(2):
+            workers.append(
+                await worker_process(f"rw{i}-{model}", kafka, redis_url, prefix, model_path, *flags)
+            )
+        async with harness(kafka, redis_url, prefix, model_path) as h:
+            fe = {
+                "batch_api": True,
+                "served_model_name": model,
+                "batch_dir": str(tmp_path),
+                "pool_roll_s": ROLL_S,
+            }
+            _, url = await h.add_frontend(**fe)
+            client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            n = 30
+            f = await client.files.create(file=("in.jsonl", slow_lines(model, n)), purpose="batch")
+            batch = await client.batches.create(
+                input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+
+            async def some_done() -> bool:
+                b = await client.batches.retrieve(batch.id)
+                return b.request_counts is not None and b.request_counts.completed >= 4
+
+            await until(some_done, what="the first results")
+            # A worker dies with items running (never committed: the other worker runs them), and the frontend
+            # holding the deletion lease goes; another one carries on, while epochs keep rolling.
+            workers[0].kill()
+            await workers[0].proc.wait()
+            await stop_frontend(h, 0)
+            _, url2 = await h.add_frontend(**fe)
+            client2 = AsyncOpenAI(base_url=f"{url2}/v1", api_key="unused", max_retries=0)
+            done = await final_batch(client2, batch.id, limit_s=150)
+            assert done.status == "completed", done
+            assert done.request_counts.completed == n and done.request_counts.failed == 0
+            assert await every_line(client2, done) == Counter({f"r{i}": 1 for i in range(n)})
+    finally:
+        for w in workers:
+            with contextlib.suppress(Exception):
+                await w.stop()
