@@ -52,7 +52,6 @@ class BatchTopics:
         # A pass every quarter of an epoch, at most every 30 s and at least every 200 ms.
         self.period_s = min(30.0, max(0.2, s.pool_roll_s / 4))
         self.lease_ms = int(3 * self.period_s * 1000) + 1000
-        self.deleted: list[str] = []  # epochs this frontend deleted, oldest first (tests, logs)
 
     async def pool_now(self) -> str:
         """The pool topic to send an item to now (created before the first send)."""
@@ -107,5 +106,4 @@ class BatchTopics:
         except KafkaError as exc:
             log.warning("could not delete read batch topics %s: %r", done, exc)
             return
-        self.deleted.extend(done)
         log.info("batch topics: deleted read epochs %s", done)
