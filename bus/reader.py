@@ -82,10 +82,17 @@ class Own:
 
 @dataclass(frozen=True)
 class Subscribe:
-    """A member of the consumer group `Options.group_id` reading `topics`, told of rebalances by `listener`."""
+    """A member of the consumer group `Options.group_id` reading `topics`, told of rebalances by `listener`.
+
+    With `pattern`, `topics` is ignored and the member reads every topic whose name matches it, as the broker
+    lists them (topics created later are found within `Options.metadata_max_age_ms`); a pattern asks for the
+    metadata of every topic, never for one by name, so it never re-creates a deleted one on the embedded
+    broker (docs/architecture.md, broker quirk "metadata re-creates topics").
+    """
 
     topics: tuple[str, ...]
     listener: ConsumerRebalanceListener | None = None
+    pattern: str | None = None
 
 
 Start = Tail | At | Own | Subscribe
@@ -123,6 +130,9 @@ class Options:
     # A group member stopping while its group join is under way gives the join this long, then leaves it
     # (None: waits for the join however long it takes; see `stop_consumer`).
     join_wait_s: float | None = None
+    # How often the client refreshes its metadata unasked (None: aiokafka's 5 minutes); a pattern
+    # subscription finds new topics no later than this.
+    metadata_max_age_ms: int | None = None
 
     def make_consumer(self, bootstrap: str) -> AIOKafkaConsumer:
         """A consumer with these settings (offsets are only ever committed by hand)."""
@@ -135,6 +145,8 @@ class Options:
             extra["session_timeout_ms"] = self.session_timeout_ms
         if self.heartbeat_interval_ms is not None:
             extra["heartbeat_interval_ms"] = self.heartbeat_interval_ms
+        if self.metadata_max_age_ms is not None:
+            extra["metadata_max_age_ms"] = self.metadata_max_age_ms
         if self.range_assignor:
             extra["partition_assignment_strategy"] = (RangePartitionAssignor,)
         return AIOKafkaConsumer(
@@ -242,8 +254,11 @@ class Reader(Generic[T]):
                 consumer.seek(tp, offset)
             case Own(topic):
                 consumer.assign([TopicPartition(topic, 0)])
-            case Subscribe(topics, listener):
-                consumer.subscribe(list(topics), listener=_Forgetting(self, listener))
+            case Subscribe(topics, listener, pattern):
+                if pattern is not None:
+                    consumer.subscribe(pattern=pattern, listener=_Forgetting(self, listener))
+                else:
+                    consumer.subscribe(list(topics), listener=_Forgetting(self, listener))
             case None:
                 pass
 

@@ -66,6 +66,12 @@ async def existing_topics(bootstrap: str, topics: list[str]) -> list[str]:
     return [t for t in topics if t in listed]
 
 
+async def list_topics(bootstrap: str) -> list[str]:
+    """Every topic the broker lists (asked for all at once, none by name: see `existing_topics`)."""
+    async with _admin(bootstrap) as admin:
+        return list(await admin.list_topics())
+
+
 async def delete_topics(bootstrap: str, topics: list[str]) -> None:
     """Delete topics (those already gone are fine)."""
     async with _admin(bootstrap) as admin:

@@ -32,8 +32,9 @@ PER_CHILD = ("frontend_id", "worker_id")
 _CHOSEN = ("kafka", "redis", "port")
 # Children's settings whose default differs when `ferry up` starts its own broker: the embedded broker never
 # trims a topic and slows as a partition grows (docs/architecture.md, broker quirks "slow long partitions"
-# and "no DeleteRecords, no retention"), so request topics roll there unless the operator chose otherwise.
-EMBEDDED_BROKER_DEFAULTS: dict[str, Any] = {"request_roll_s": 60.0}
+# and "no DeleteRecords, no retention"), so request topics roll there, and pool and batch results topics
+# hourly, unless the operator chose otherwise.
+EMBEDDED_BROKER_DEFAULTS: dict[str, Any] = {"request_roll_s": 60.0, "pool_roll_s": 3600.0}
 
 
 @dataclasses.dataclass

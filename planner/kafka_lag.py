@@ -1,20 +1,23 @@
 """Kafka lag: records in a topic its consumer group has not committed yet (end offset - committed offset).
 
 Two backlogs matter to the planner: each worker's `ferry.requests.<worker>` and its rolled epochs (routed,
-not yet read: the worker is behind) and the model's `ferry.pool.<model>` (batch items nobody has taken yet).
+not yet read: the worker is behind) and the model's `ferry.pool.<model>` and its rolled epochs (batch items
+nobody has taken yet).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Sequence
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
-from schemas.names import pool_group, pool_topic, request_epoch, request_topic
+from bus.epochs import group_offsets
+from schemas.names import pool_group, pool_pattern, request_epoch, request_topic
 
 log = logging.getLogger("ferry.planner")
 
@@ -34,6 +37,7 @@ class KafkaLag:
     """Reads end offsets and committed offsets; one admin and one group-less consumer, kept open."""
 
     def __init__(self, bootstrap: str) -> None:
+        self._bootstrap = bootstrap
         self._admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5_000)
         self._offsets = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
 
@@ -66,24 +70,18 @@ class KafkaLag:
         return total
 
     async def pool(self, model: str) -> tuple[int, int] | None:
-        """(lag, committed total) of the model's pool topic; None if the broker did not answer."""
-        topic = pool_topic(model)
+        """(lag, committed total) of the model's pool topics (each epoch with `--pool-roll-s`); None if the
+        broker did not answer. Deleted epochs drop out of the committed total (the planner's rate ignores
+        a drop)."""
         try:
-            parts = self._offsets.partitions_for_topic(topic)
-            if parts is None:
-                await self._offsets.topics()  # refreshes metadata: the topic may be newer than our last look
-                parts = self._offsets.partitions_for_topic(topic) or set()
-            tps = [TopicPartition(topic, p) for p in sorted(parts)]
-            if not tps:
-                return 0, 0
-            ends = await self._offsets.end_offsets(tps)
-            committed = await self._admin.list_consumer_group_offsets(pool_group(model), partitions=tps)
+            offsets = await group_offsets(
+                self._bootstrap, pool_group(model), re.compile(pool_pattern(model)).match
+            )
         except (KafkaError, OSError) as exc:
             log.warning("planner: cannot read the pool topic's lag (%r)", exc)
             return None
-        done = {tp: max(m.offset, 0) for tp, m in committed.items()}
-        lag = sum(max(0, ends.get(tp, 0) - done.get(tp, 0)) for tp in tps)
-        return lag, sum(done.values())
+        lag = sum(max(0, end - done) for done, end in offsets.values())
+        return lag, sum(done for done, _ in offsets.values())
 
     async def workers(self, worker_ids: Sequence[str]) -> int | None:
         """Requests routed to these workers and not yet committed by them; None if the broker did not answer."""

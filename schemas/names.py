@@ -22,7 +22,7 @@ def request_topic(worker_id: str, epoch: int | None = None) -> str:
 
 
 def request_epoch(topic: str) -> int | None:
-    """The epoch a rolled request topic belongs to (None: the unrolled topic)."""
+    """The epoch a rolled topic (requests, pool, batch results) belongs to (None: the unrolled topic)."""
     _, dot, tail = topic.rpartition(".e")
     return int(tail) if dot and tail.isdigit() else None
 
@@ -37,9 +37,15 @@ def admin_topic(frontend_id: str) -> str:
     return f"ferry.admin.{slug(frontend_id)}"
 
 
-def pool_topic(model: str) -> str:
-    """Topic all workers of one model read undirected (batch) work from."""
-    return f"ferry.pool.{slug(model)}"
+def pool_topic(model: str, epoch: int | None = None) -> str:
+    """Topic all workers of one model read undirected (batch) work from; with `--pool-roll-s`, one per epoch."""
+    base = f"ferry.pool.{slug(model)}"
+    return base if epoch is None else f"{base}.e{epoch}"
+
+
+def pool_pattern(model: str) -> str:
+    """Regex of every pool topic of one model: the unrolled one and each epoch (group members subscribe by it)."""
+    return rf"^{re.escape(pool_topic(model))}(\.e[0-9]+)?$"
 
 
 def pool_group(model: str) -> str:
@@ -47,9 +53,16 @@ def pool_group(model: str) -> str:
     return f"ferry-pool-{slug(model)}"
 
 
-def batch_results_topic(model: str) -> str:
-    """Topic workers send batch items' chunks to; read by the frontends' batch coordinators."""
-    return f"ferry.batch.results.{slug(model)}"
+def batch_results_topic(model: str, epoch: int | None = None) -> str:
+    """Topic workers send batch items' chunks to; read by the frontends' batch coordinators; with
+    `--pool-roll-s`, one per epoch (workers write to the current one, whatever the item names)."""
+    base = f"ferry.batch.results.{slug(model)}"
+    return base if epoch is None else f"{base}.e{epoch}"
+
+
+def batch_results_pattern(model: str) -> str:
+    """Regex of every batch results topic of one model: the unrolled one and each epoch."""
+    return rf"^{re.escape(batch_results_topic(model))}(\.e[0-9]+)?$"
 
 
 def batch_results_group(model: str) -> str:
@@ -103,6 +116,10 @@ class RedisKeys:
     def kv_lease(self, model: str) -> str:
         """Which frontend's indexer writes `model`'s KV log back into an emptied index (expires)."""
         return f"{self.prefix}kvlease:{model}"
+
+    def batch_roll_lease(self, model: str) -> str:
+        """The frontend id deleting one model's read pool and batch results epochs (`--pool-roll-s`); expires."""
+        return f"{self.prefix}batch-roll-lease:{model}"
 
     def kv_rebuilt(self, model: str) -> str:
         """The registry marker whose index the lease holder last rebuilt from the KV log."""

@@ -103,6 +103,16 @@ class CommonSettings:
             "starting its embedded broker passes 60 to its children unless this is set"
         ),
     )
+    pool_roll_s: float = dataclasses.field(
+        default=0.0,
+        metadata=_help(
+            "write batch items and their results to fresh ferry.pool.<model>.e<epoch> and "
+            "ferry.batch.results.<model>.e<epoch> topics every this many seconds of the wall clock and delete "
+            "each past epoch once its consumer group has read all of it (the embedded broker never trims a "
+            "topic); frontends and workers must use the same value; 0 = one topic each for good. `ferry up` "
+            "starting its embedded broker passes 3600 to its children unless this is set"
+        ),
+    )
     kv_log: bool = dataclasses.field(
         default=True,
         metadata=_help(

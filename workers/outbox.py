@@ -85,10 +85,16 @@ class Outbox:
         self._queue: asyncio.Queue[Outgoing | Reply] = asyncio.Queue(maxsize=QUEUE_SIZE)
         self._resends: set[asyncio.Task[None]] = set()
         self._coalesce: Coalescer | None = None
+        self._route: Callable[[str], str] | None = None
 
     def coalesce_with(self, coalescer: Coalescer) -> None:
         """Pass every chunk through `coalescer` before it is queued."""
         self._coalesce = coalescer
+
+    def route_with(self, route: Callable[[str], str]) -> None:
+        """Send each record to `route(topic)`, resolved when it is handed to the producer (and again for a
+        resend): a rolled topic's current epoch then, not the one current when the request was queued."""
+        self._route = route
 
     async def send(self, req: GenerateRequest, chunk: Chunk) -> None:
         """Queue one chunk for the request's reply topic (waits while the queue is full)."""
@@ -125,7 +131,8 @@ class Outbox:
         try:
             # Returns once the record is in the producer's batch; delivery is reported later.
             # Partition 0 is the only one a frontend reads (and spares hashing the key per record).
-            delivery = await self._producer.send(out.topic, out.value, key=out.key, partition=0)
+            topic = out.topic if self._route is None else self._route(out.topic)
+            delivery = await self._producer.send(topic, out.value, key=out.key, partition=0)
             delivery.add_done_callback(functools.partial(self._on_delivery, out))
         except KafkaError as exc:
             self._on_send_error(out, exc)

@@ -28,10 +28,11 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from bus.epochs import metadata_age_ms
 from bus.reader import Batch, Hooks, Options, Poll, Reader, Subscribe
 from kvstore.batch_store import BatchStore
 from schemas.kafka import Chunk, GenerateRequest, PoolItem, pool_decoder
-from schemas.names import pool_group, pool_topic
+from schemas.names import pool_group, pool_pattern, pool_topic
 from schemas.settings import WorkerSettings
 from workers.engine import Engine
 
@@ -171,6 +172,7 @@ class PoolConsumer:
                 # A drain must not wait on a join that waits on other members (bus/consumer.py); after the
                 # session timeout the broker would drop a member that left without a word anyway.
                 join_wait_s=settings.pool_session_timeout_s,
+                metadata_max_age_ms=metadata_age_ms(settings.pool_roll_s),
             ),
             Hooks(
                 self._handle,
@@ -202,8 +204,14 @@ class PoolConsumer:
         return self._reader
 
     async def start(self) -> None:
-        """Join the group (the topic is created by whoever needs it first)."""
-        await self._reader.open(Subscribe((self.topic,), _Rebalance(self)))
+        """Join the group (the topic is created by whoever needs it first).
+
+        With `--pool-roll-s` the member reads every epoch the broker lists (and the unrolled topic), by
+        pattern: a worker that joins late still reads the epochs not yet consumed, and an epoch a frontend
+        deleted is not asked for by name (which would re-create it on the embedded broker).
+        """
+        pattern = pool_pattern(self.settings.served_model_name) if self.settings.pool_roll_s > 0 else None
+        await self._reader.open(Subscribe((self.topic,), _Rebalance(self), pattern))
 
     def run(self) -> None:
         """Fetch items while there is room, until `stop_taking`; commits go on in the background."""
@@ -433,9 +441,8 @@ class PoolConsumer:
         for tp in assigned:
             self._tracks[tp] = PartitionTrack()
         log.info(
-            "worker %s takes batch work from %s partitions %s",
+            "worker %s takes batch work from %s",
             self.settings.worker_id,
-            self.topic,
-            sorted(tp.partition for tp in assigned),
+            sorted(f"{tp.topic}[{tp.partition}]" for tp in assigned),
         )
         self.joined.set()

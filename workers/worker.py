@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import sys
 import time
@@ -11,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from aiokafka.errors import KafkaError
 
+from bus.epochs import EpochTopics
 from bus.produce import TrackingProducer, refresh_metadata
 from bus.topics import ensure_topics, retention
 from kvstore.batch_store import BatchStore
@@ -18,7 +20,7 @@ from kvstore.connect import redis_client
 from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
 from schemas.kafka import ErrorInfo, GenerateRequest
-from schemas.names import RedisKeys, pool_topic
+from schemas.names import RedisKeys, batch_results_topic, pool_topic
 from schemas.settings import WorkerSettings
 from workers.canary import Canary
 from workers.engine import Engine, EngineDead
@@ -54,6 +56,11 @@ class Worker:
         self._kv = KVPublisher(index, s.worker_id, s.served_model_name, self.metrics)
         self._producer = TrackingProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
         self._outbox = Outbox(self._producer, self.metrics)
+        if s.pool_roll_s > 0:
+            # Batch results go to the epoch current when they are sent, whatever the item named when it was
+            # queued (hours ago, maybe): that epoch may be deleted by now (bus/epochs.py).
+            results = EpochTopics(functools.partial(batch_results_topic, s.served_model_name), s.pool_roll_s)
+            self._outbox.route_with(results.route)
         self.kv_log: KVLog | None = None  # the KV log (workers/kv_log.py), unless --no-kv-log
         self.serving = Serving(engine, self._outbox, self.metrics, s.worker_id, self._set_fatal)
         self.heartbeat = Heartbeat(s, engine, engine_name, Registry(self._redis, keys), index, self.metrics,
@@ -96,7 +103,9 @@ class Worker:
             await self._inbox.open()
             if s.pool and s.role != "prefill":  # batch items are whole sequences: not a prefill worker's
                 batch_retention = retention(s.kafka_batch_retention_s, s.kafka_retention_bytes)
-                await ensure_topics(s.kafka, {pool_topic(s.served_model_name): s.pool_partitions}, batch_retention)
+                if s.pool_roll_s <= 0:  # else frontends create the epochs; the pool consumer finds them
+                    pool = {pool_topic(s.served_model_name): s.pool_partitions}
+                    await ensure_topics(s.kafka, pool, batch_retention)
                 store = BatchStore(self._redis, RedisKeys(s.redis_prefix))
                 self.pool = PoolConsumer(s, self, store, self.metrics.registry)
                 self._outbox.coalesce_with(self.pool.coalesce)  # batch sequences send their output once, whole

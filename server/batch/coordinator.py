@@ -28,6 +28,7 @@ from schemas.status import WorkerStatus
 from server.batch.filestore import FileStore, LocalFileStore
 from server.batch.items import ItemPreparer, PreparedItem, error_line, item_id, unrun_line
 from server.batch.ordering import plan
+from server.batch.rolling import BatchTopics
 from server.batch.validate import allowed_windows, parse_batch_file
 from server.errors import APIError
 from server.preprocess import Preprocessor
@@ -62,8 +63,10 @@ class BatchCoordinator:
         store: BatchStore,
         pre: Preprocessor,
         live_workers: Callable[[], list[WorkerStatus]],
+        topics: BatchTopics,
     ) -> None:
         self.settings = settings
+        self.topics = topics
         self.store = store
         self.model = settings.served_model_name
         self.files: FileStore = LocalFileStore(
@@ -300,12 +303,13 @@ class BatchCoordinator:
                 )
                 return
             futures = []
+            topic = await self.topics.pool_now()  # the epoch of the clock, with --pool-roll-s
             for index, partition in order[position : position + _PRODUCE_CHUNK]:
                 if index in done:
                     continue
                 futures.append(
                     await self.producer.send(
-                        self.pool_topic,
+                        topic,
                         by_index[index].message,
                         key=item_id(batch_id, index).encode(),
                         partition=partition,
@@ -321,7 +325,7 @@ class BatchCoordinator:
 
     async def _partitions(self) -> int:
         assert self.producer is not None
-        return len(await self.producer.partitions_for(self.pool_topic))
+        return len(await self.producer.partitions_for(await self.topics.pool_now()))
 
     async def _fail(
         self, batch_id: str, code: str | None, message: str | None, errors: list[BatchError] | None = None

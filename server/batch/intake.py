@@ -19,10 +19,11 @@ from aiokafka import AIOKafkaProducer
 from bus.reader import Batch, Hooks, Options, Poll, Reader, Subscribe
 from kvstore.batch_store import BatchStore
 from schemas.batch import KafkaBatchItem, kafka_item_decoder
-from schemas.names import batch_submit_group, batch_submit_topic, pool_topic
+from schemas.names import batch_submit_group, batch_submit_topic
 from schemas.status import WorkerStatus
 from server.batch.items import ItemPreparer, error_line
 from server.batch.ordering import partition_for
+from server.batch.rolling import BatchTopics
 from server.errors import APIError
 
 log = logging.getLogger("ferry.batch")
@@ -48,8 +49,10 @@ class KafkaIntake:
         producer: AIOKafkaProducer,
         live_workers: Callable[[], list[WorkerStatus]],
         fetch_wait_ms: int,
+        topics: BatchTopics,
     ) -> None:
         self.bootstrap = bootstrap
+        self.topics = topics
         self.model = model
         self.topic = batch_submit_topic(model)
         self.store = store
@@ -113,9 +116,8 @@ class KafkaIntake:
                 )
             return
         await self.store.put_item(item, prepared.meta, ITEM_TTL_S)
-        parts = await self.producer.partitions_for(pool_topic(self.model))
+        topic = await self.topics.pool_now()  # the epoch of the clock, with --pool-roll-s
+        parts = await self.producer.partitions_for(topic)
         partition_out = partition_for(prepared.first_prompt, len(parts), self.model, block_size)
-        await self.producer.send_and_wait(
-            pool_topic(self.model), prepared.message, key=item.encode(), partition=partition_out
-        )
+        await self.producer.send_and_wait(topic, prepared.message, key=item.encode(), partition=partition_out)
         self.items_taken += 1

@@ -20,11 +20,12 @@ from collections.abc import Awaitable, Callable
 from aiokafka import AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
+from bus.epochs import metadata_age_ms
 from bus.reader import Batch, Hooks, Options, Poll, Reader, Subscribe
 from kvstore.batch_store import BatchStore
 from schemas.batch import ItemMeta
 from schemas.kafka import Chunk, ReplyMessage, chunks_of, reply_decoder
-from schemas.names import batch_results_group, batch_results_topic
+from schemas.names import batch_results_group, batch_results_pattern, batch_results_topic
 from schemas.tenants import UsageRecord
 from server.batch.items import response_line, split_item_id, split_sequence_id, unrun_line
 from server.batch.lines import ItemChunks, ItemResult, build, sequences_of
@@ -65,6 +66,7 @@ class ResultCollector:
         fetch_wait_ms: int,
         on_complete: Callable[[str], None],
         on_usage: Callable[[UsageRecord], Awaitable[None]] | None = None,
+        roll_s: float = 0.0,
     ) -> None:
         self.bootstrap = bootstrap
         self.topic = batch_results_topic(model)
@@ -76,6 +78,10 @@ class ResultCollector:
         self.on_complete = on_complete
         self.on_usage = on_usage  # a tenant's item was recorded (once): its usage (server/tenants_usage.py)
         self._open: dict[str, ItemChunks] = {}
+        # Per open item, the offset of its first chunk in each partition holding one: with --pool-roll-s an
+        # item's sequences can end in different epochs, and each partition's commit waits for its own.
+        self._holds: dict[str, dict[TopicPartition, int]] = {}
+        self._pattern = batch_results_pattern(model) if roll_s > 0 else None
         self._metas: dict[str, ItemMeta] = {}
         self._foreign: OrderedDict[str, None] = OrderedDict()
         self._next: dict[TopicPartition, int] = {}
@@ -90,6 +96,12 @@ class ResultCollector:
                 group_id=self.group,
                 offset_reset="earliest",
                 max_poll_records=2048,
+                # With --pool-roll-s each epoch is a topic of one partition; the range assignor gives
+                # partition 0 of every topic to the same member, so one frontend sees every chunk of an item
+                # even when its sequences ended in different epochs (round-robin would split them). Without
+                # rolling, aiokafka's default: members of another version still share the group's protocol.
+                range_assignor=roll_s > 0,
+                metadata_max_age_ms=metadata_age_ms(roll_s),
             ),
             Hooks(self._handle, after_poll=self._tend, error=self._retry, closing=self._last_commit_quietly),
         )
@@ -99,7 +111,9 @@ class ResultCollector:
     async def start(self) -> None:
         """Join the group and start reading."""
         self._last_commit = self._last_gc = time.monotonic()
-        await self._reader.start(Subscribe((self.topic,), _Joined(self.joined, self._forget_open)))
+        await self._reader.start(
+            Subscribe((self.topic,), _Joined(self.joined, self._forget_open), self._pattern)
+        )
 
     async def stop(self) -> None:
         """Commit what is safe and leave the group (another frontend takes over at once)."""
@@ -145,6 +159,7 @@ class ResultCollector:
             state = self._open.get(item)
             if state is None:
                 state = self._open[item] = ItemChunks(first_offset=offset)
+            self._holds.setdefault(item, {}).setdefault(tp, offset)
             state.seen_at = time.monotonic()
             state.add(k, chunk)
             if state.finished(sequences_of(meta)):
@@ -211,25 +226,27 @@ class ResultCollector:
                 raise
             self.lines_recorded += 1
         self._open.pop(item, None)
+        self._holds.pop(item, None)
         self._metas.pop(item, None)
 
     def _forget_open(self) -> None:
         """The partition moves: whoever gets it reads the open items' chunks again from our last commit."""
         self._open.clear()
+        self._holds.clear()
         self._metas.clear()
         self._next.clear()
 
     async def _commit(self) -> None:
         if not self._next:
             return
-        oldest = min((s.first_offset for s in self._open.values()), default=None)
         points = {}
         assigned = self._reader.consumer.assignment()
         for tp in [tp for tp in self._next if tp not in assigned]:
             del self._next[tp]  # moved to another frontend, which reads from our last commit
         for tp, nxt in self._next.items():
-            # One results partition in practice (workers write to partition 0); open items hold it back.
-            points[tp] = nxt if oldest is None else min(nxt, oldest)
+            # Workers write to partition 0 of each results topic; open items hold back their partitions.
+            points[tp] = min((h[tp] for h in self._holds.values() if tp in h), default=nxt)
+            points[tp] = min(points[tp], nxt)
         try:
             await self._reader.commit(points)
         except (KafkaError, TimeoutError) as exc:
@@ -243,9 +260,11 @@ class ResultCollector:
             split = split_item_id(item)
             if split is not None and split[0] not in active and now - state.seen_at > _STALE_S / 6:
                 self._open.pop(item, None)
+                self._holds.pop(item, None)
                 self._metas.pop(item, None)
             elif split is None and now - state.seen_at > _STALE_S * 60:
                 self._open.pop(item, None)
+                self._holds.pop(item, None)
                 self._metas.pop(item, None)
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from aiokafka import AIOKafkaProducer
-
+from bus.produce import TrackingProducer
 from bus.topics import ensure_topics, retention
 from kvstore.batch_store import BatchStore
 from kvstore.connect import redis_client
@@ -18,6 +18,7 @@ from schemas.tenants import UsageRecord
 from server.batch.coordinator import BatchCoordinator
 from server.batch.intake import KafkaIntake
 from server.batch.results import ResultCollector
+from server.batch.rolling import BatchTopics
 from server.logprobs import LogprobFormatter
 from server.preprocess import Preprocessor
 
@@ -34,6 +35,7 @@ class BatchService:
         self.coordinator: BatchCoordinator | None = None
         self.collector: ResultCollector | None = None
         self.intake: KafkaIntake | None = None
+        self.topics: BatchTopics | None = None
 
     @contextlib.asynccontextmanager
     async def running(
@@ -51,22 +53,34 @@ class BatchService:
         model = s.served_model_name
         # Batch traffic does not need the interactive path's few-millisecond fetches; idle polling costs CPU.
         fetch_wait_ms = max(s.kafka_fetch_wait_ms, 100)
+        # With --pool-roll-s, the pool and results topics are epochs created as they come (server/batch/rolling.py).
+        unrolled = (
+            {pool_topic(model): s.pool_partitions, batch_results_topic(model): 1}
+            if s.pool_roll_s <= 0
+            else {}
+        )
         await ensure_topics(
             s.kafka,
-            {
-                pool_topic(model): s.pool_partitions,
-                batch_results_topic(model): 1,
-                batch_submit_topic(model): 1,
-            },
+            {**unrolled, batch_submit_topic(model): 1},
             retention(s.kafka_batch_retention_s, s.kafka_retention_bytes),
         )
-        producer = AIOKafkaProducer(bootstrap_servers=s.kafka, linger_ms=5, request_timeout_ms=10_000)
-        coordinator = self.coordinator = BatchCoordinator(s, self.store, pre, live)
+        # A tracking producer forgets the pool epochs it no longer writes to: asking for a deleted one's
+        # metadata by name would re-create it on the embedded broker (bus/produce.py).
+        producer = TrackingProducer(bootstrap_servers=s.kafka, linger_ms=5, request_timeout_ms=10_000)
+        topics = self.topics = BatchTopics(s, self.redis)
+        coordinator = self.coordinator = BatchCoordinator(s, self.store, pre, live, topics)
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(self.redis.aclose)
             # Registered before start: a start that fails (broker down) must still close the client.
             stack.push_async_callback(producer.stop)
             await producer.start()
+            if s.pool_roll_s > 0:
+                await topics.ensure_epochs()  # the current epochs exist before anyone reads or writes
+                stack.push_async_callback(_cancelled, asyncio.create_task(topics.run(), name="batch-topics"))
+                stack.push_async_callback(
+                    _cancelled,
+                    asyncio.create_task(producer.forget_idle_forever(), name="batch-topic-tracking"),
+                )
             await stack.enter_async_context(coordinator.running(producer))
             self.collector = ResultCollector(
                 s.kafka,
@@ -77,13 +91,20 @@ class BatchService:
                 fetch_wait_ms,
                 lambda _b: coordinator.kick(),
                 on_usage,
+                s.pool_roll_s,
             )
             await self.collector.start()
             stack.push_async_callback(self.collector.stop)
             if s.batch_kafka_intake:
                 self.intake = KafkaIntake(
-                    s.kafka, model, self.store, coordinator.preparer, producer, live, fetch_wait_ms
+                    s.kafka, model, self.store, coordinator.preparer, producer, live, fetch_wait_ms, topics
                 )
                 await self.intake.start()
                 stack.push_async_callback(self.intake.stop)
             yield
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    """Cancel a background task and wait for it to end."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from bus.topics import ensure_topics
 from planner.kafka_lag import KafkaLag
-from schemas.names import request_topic
+from schemas.names import pool_group, pool_topic, request_topic
 
 pytestmark = pytest.mark.integration
 
@@ -36,5 +36,38 @@ async def test_a_workers_lag_spans_its_rolled_request_topics(kafka: str) -> None
     try:
         assert await lag.workers([wid]) == 6  # nothing committed yet: every request is still waiting
         assert await lag.workers([wid, other]) == 10
+    finally:
+        await lag.close()
+
+
+async def test_the_pool_lag_spans_every_pool_epoch_and_counts_commits(kafka: str) -> None:
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    waiting = {
+        pool_topic(model): 1,
+        pool_topic(model, 7): 2,
+        pool_topic(model, 8): 3,
+        pool_topic(f"{model}x", 7): 4,
+    }
+    await ensure_topics(kafka, dict.fromkeys(waiting, 2))
+    producer = AIOKafkaProducer(bootstrap_servers=kafka)
+    await producer.start()
+    try:
+        for topic, n in waiting.items():
+            for _ in range(n):
+                await producer.send_and_wait(topic, b"item", partition=1)
+    finally:
+        await producer.stop()
+    consumer = AIOKafkaConsumer(bootstrap_servers=kafka, group_id=pool_group(model), enable_auto_commit=False)
+    await consumer.start()
+    try:
+        done = TopicPartition(pool_topic(model, 7), 1)
+        consumer.assign([done])
+        await consumer.commit({done: 2})  # that epoch's items are done
+    finally:
+        await consumer.stop()
+    lag = KafkaLag(kafka)
+    await lag.start()
+    try:
+        assert await lag.pool(model) == (4, 2)  # the other model's epoch is not counted
     finally:
         await lag.close()

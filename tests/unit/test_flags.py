@@ -45,7 +45,7 @@ def test_ferry_up_passes_each_child_the_flags_given_for_it(monkeypatch: pytest.M
     assert stack.frontend.api_keys == "secret" and stack.worker.block_size == 32  # read from the variables
     # Variables reach the children through their environment, never as flags (keys stay out of `ps`);
     # the launcher sets --port, --kafka and --redis itself.
-    # (and rolls request topics on the broker it starts itself)
+    # (and rolls request and pool topics on the broker it starts itself)
     assert stack.frontend_flags == [
         "--router-policy",
         "round_robin",
@@ -54,6 +54,8 @@ def test_ferry_up_passes_each_child_the_flags_given_for_it(monkeypatch: pytest.M
         "0.5",
         "--request-roll-s",
         "60.0",
+        "--pool-roll-s",
+        "3600.0",
     ]
     assert stack.worker_flags == [
         "--speedup",
@@ -62,6 +64,8 @@ def test_ferry_up_passes_each_child_the_flags_given_for_it(monkeypatch: pytest.M
         "0.5",
         "--request-roll-s",
         "60.0",
+        "--pool-roll-s",
+        "3600.0",
     ]
     assert load(WorkerSettings, stack.worker_flags).speedup == 20.0
 
@@ -85,6 +89,22 @@ def test_ferry_up_rolls_request_topics_on_its_embedded_broker_unless_told_otherw
     monkeypatch.setenv("FERRY_REQUEST_ROLL_S", "0")  # set as a variable: the children read it themselves
     stack = load_stack([])
     assert "--request-roll-s" not in stack.frontend_flags + stack.worker_flags
+
+
+def test_ferry_up_rolls_pool_topics_hourly_on_its_embedded_broker_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("FERRY_KAFKA", raising=False)
+    monkeypatch.delenv("FERRY_POOL_ROLL_S", raising=False)
+
+    def rolls(argv: list[str]) -> tuple[float, float]:
+        stack = load_stack(argv)
+        fe = load(FrontendSettings, stack.frontend_flags).pool_roll_s
+        return fe, load(WorkerSettings, stack.worker_flags).pool_roll_s
+
+    assert rolls([]) == (3600.0, 3600.0)  # the embedded broker never trims a topic
+    assert rolls(["--pool-roll-s", "0"]) == (0.0, 0.0)  # the operator's choice stands
+    assert rolls(["--kafka", "k:9092"]) == (0.0, 0.0)  # a Kafka of the operator's: its retention bounds them
 
 
 def test_ferry_up_starts_prefill_and_decode_pools_with_their_roles() -> None:
