@@ -11,9 +11,9 @@ slow). One frontend per model holds a lease in Redis (SET NX PX, renewed every t
 - when it starts (a cold frontend, perhaps after Redis and every frontend restarted): each registered
   worker whose index entries are fewer than half its mirrored blocks.
 
-It also deletes the log's epochs before the previous one. While a write-back is due, the index is
-incomplete: `ferry_kv_index_rebuilding` is 1 and `/ready` says so; the workers not written back yet have no
-entries, so routing weighs only their load.
+It also deletes the log's epochs older than the one before the previous one (a reader may still hold that
+one). While a write-back is due, the index is incomplete: `ferry_kv_index_rebuilding` is 1 and `/ready` says
+so; the workers not written back yet have no entries, so routing weighs only their load.
 """
 
 from __future__ import annotations
@@ -279,12 +279,14 @@ class KVIndexer:
             )  # fmt: skip
 
     async def _sweep(self) -> None:
-        """Delete the log's epochs before the previous one (once per epoch)."""
+        """Delete the log's epochs older than the one before the previous one (once per epoch)."""
         e = self._epoch_now()
         if self._swept == e:
             return
         self._swept = e
-        old = [kv_log_topic(self._model, n) for n in range(e - SWEEP_BACK, e - 1)]
+        # Not e - 2 yet: a reader that has not polled since the turn still holds it, and its next fetch of
+        # a deleted topic would bring it back empty (the embedded broker's quirk), read as a lost log.
+        old = [kv_log_topic(self._model, n) for n in range(e - SWEEP_BACK, e - 2)]
         found = await existing_topics(self._s.kafka, old)
         if found:
             await delete_topics(self._s.kafka, found)
