@@ -137,7 +137,7 @@ class Generation:
         router = self.svc.router
         try:
             for pi, ids in enumerate(p.prompts):
-                memo = PromptMemo(ids, max_tokens=p.max_tokens)
+                memo = PromptMemo(ids, max_tokens=p.max_tokens, overtake=p.overtake)
                 for c in range(p.n):
                     t0 = time.perf_counter()
                     placed = await self.place(memo)

@@ -55,6 +55,9 @@ class Prepared:
     # False when prompt logprobs are computed only for `echo` with `logprobs`: the `prompt_logprobs` field
     # of the response shows only when the request asked for it.
     show_prompt_logprobs: bool = True
+    # Sent to a worker even while every worker counts as busy: its engine priority goes ahead of requests
+    # waiting there (a tenant's turn, server/tenants_fair.py).
+    overtake: bool = False
 
 
 def _flatten_content(content: str | list[Any] | None, index: int) -> str:
@@ -183,7 +186,9 @@ class Preprocessor:
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) > self._threshold:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._pool, self.model.encode_releasing_gil, text, add_special_tokens)
+            return await loop.run_in_executor(
+                self._pool, self.model.encode_releasing_gil, text, add_special_tokens
+            )
         return self.model.encode(text, add_special_tokens)
 
     async def chat(self, req: ChatCompletionRequest, max_model_len: int) -> Prepared:
@@ -197,7 +202,9 @@ class Preprocessor:
                 loop = asyncio.get_running_loop()
                 text = await loop.run_in_executor(
                     self._pool,
-                    lambda: self.model.render_chat(messages, req.add_generation_prompt, tools.tools, **kwargs),
+                    lambda: self.model.render_chat(
+                        messages, req.add_generation_prompt, tools.tools, **kwargs
+                    ),
                 )
             else:
                 text = self.model.render_chat(messages, req.add_generation_prompt, tools.tools, **kwargs)
@@ -205,7 +212,9 @@ class Preprocessor:
             # The model's template refused the conversation (roles out of order, say) or failed on what the
             # request gave it (a chat_template_kwargs value of the wrong type): the client's error.
             raise APIError(
-                400, f"The model's chat template rejected these messages: {exc}", param="messages",
+                400,
+                f"The model's chat template rejected these messages: {exc}",
+                param="messages",
                 code="invalid_value",
             ) from None
         # The template already wrote the special tokens.
@@ -236,7 +245,9 @@ class Preprocessor:
     async def completion(self, req: CompletionRequest, max_model_len: int) -> Prepared:
         """Tokenize (or accept token ids) and budget a text completion request."""
         if req.suffix:
-            raise APIError(400, "`suffix` is not supported by this model.", param="suffix", code="unsupported")
+            raise APIError(
+                400, "`suffix` is not supported by this model.", param="suffix", code="unsupported"
+            )
         prompts, texts = await self._prompts(req.prompt)
         longest = max(len(p) for p in prompts)
         requested = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS

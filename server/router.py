@@ -86,6 +86,8 @@ class PromptMemo:
     tokens: list[int]
     lora_name: str | None = None
     max_tokens: int | None = None  # None: unknown, assumed to decode
+    # Goes to a busy worker rather than waiting for one: its engine priority is ahead of what they hold waiting.
+    overtake: bool = False
     hashes: dict[int, list[int]] = field(default_factory=dict)
 
     def chain(self, model: str, block_size: int) -> list[int]:
@@ -157,7 +159,7 @@ class Router:
             raise APIError(
                 503, f"No live worker serves the model `{model}` right now.", code="no_workers", retry_after=1
             )
-        candidates = self.available(workers)
+        candidates = self.available(workers) or (workers if prompt.overtake else [])
         if not candidates:
             raise AllBusy()
         t0 = time.perf_counter()

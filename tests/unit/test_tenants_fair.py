@@ -187,11 +187,11 @@ async def test_a_request_that_ends_gives_its_place_to_the_next_at_once() -> None
     busy = Busy()
     busy.room = 1
     q = queue(busy, a=Tenant(api_keys=["a"]), b=Tenant(api_keys=["b"]))
-    await q.wait_turn("a", 1)  # takes the one place the last refresh saw
+    first = await q.wait_turn("a", 1)  # takes the one place the last refresh saw
     waiting = asyncio.create_task(q.wait_turn("b", 1))
     await asyncio.sleep(0)
     assert q.queued() == 1
-    q.done()  # no refresh: the ended request's place is the waiting one's
+    q.done(first)  # no refresh: the ended request's place is the waiting one's
     async with asyncio.timeout(1):
         await waiting
     assert q.queued() == 0
