@@ -210,6 +210,16 @@ async def test_busy_workers_are_skipped_and_all_busy_raises() -> None:
     assert exc.value.status == 503
 
 
+async def test_a_request_that_overtakes_goes_to_a_busy_worker() -> None:
+    r = _router(index=FakeIndex({"a": 9}), busy_kv_usage=0.9, busy_waiting=5)
+    workers = [_w("a", kv_usage=0.95), _w("b", waiting=5)]
+    # Its engine priority puts it ahead of what they hold waiting: it is sent (by cost) instead of waiting.
+    assert (await r.choose("m", workers, PromptMemo(PROMPT, overtake=True))).worker_id in ("a", "b")
+    with pytest.raises(APIError) as exc:
+        await r.choose("m", [], PromptMemo(PROMPT, overtake=True))
+    assert exc.value.status == 503
+
+
 async def test_index_outage_falls_back_to_load_and_recovers() -> None:
     idx = FakeIndex({"b": 9})
     r = Router(RouterSettings(), FrontendMetrics(), idx, random.Random(0), index_recovery_s=60.0)  # type: ignore[arg-type]
