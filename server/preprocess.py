@@ -186,9 +186,7 @@ class Preprocessor:
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) > self._threshold:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(
-                self._pool, self.model.encode_releasing_gil, text, add_special_tokens
-            )
+            return await loop.run_in_executor(self._pool, self.model.encode_releasing_gil, text, add_special_tokens)
         return self.model.encode(text, add_special_tokens)
 
     async def chat(self, req: ChatCompletionRequest, max_model_len: int) -> Prepared:
@@ -202,9 +200,7 @@ class Preprocessor:
                 loop = asyncio.get_running_loop()
                 text = await loop.run_in_executor(
                     self._pool,
-                    lambda: self.model.render_chat(
-                        messages, req.add_generation_prompt, tools.tools, **kwargs
-                    ),
+                    lambda: self.model.render_chat(messages, req.add_generation_prompt, tools.tools, **kwargs),
                 )
             else:
                 text = self.model.render_chat(messages, req.add_generation_prompt, tools.tools, **kwargs)
@@ -212,9 +208,7 @@ class Preprocessor:
             # The model's template refused the conversation (roles out of order, say) or failed on what the
             # request gave it (a chat_template_kwargs value of the wrong type): the client's error.
             raise APIError(
-                400,
-                f"The model's chat template rejected these messages: {exc}",
-                param="messages",
+                400, f"The model's chat template rejected these messages: {exc}", param="messages",
                 code="invalid_value",
             ) from None
         # The template already wrote the special tokens.
@@ -245,9 +239,7 @@ class Preprocessor:
     async def completion(self, req: CompletionRequest, max_model_len: int) -> Prepared:
         """Tokenize (or accept token ids) and budget a text completion request."""
         if req.suffix:
-            raise APIError(
-                400, "`suffix` is not supported by this model.", param="suffix", code="unsupported"
-            )
+            raise APIError(400, "`suffix` is not supported by this model.", param="suffix", code="unsupported")
         prompts, texts = await self._prompts(req.prompt)
         longest = max(len(p) for p in prompts)
         requested = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS

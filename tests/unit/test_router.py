@@ -12,7 +12,7 @@ from schemas.settings import RouterSettings
 from schemas.status import WorkerStatus
 from server.errors import APIError
 from server.metrics import FrontendMetrics
-from server.router import AllBusy, PromptMemo, Router
+from server.router import AllBusy, Decision, PromptMemo, Router
 
 
 def _w(wid: str, waiting: int = 0, kv_usage: float = 0.0) -> WorkerStatus:
@@ -218,6 +218,20 @@ async def test_a_request_that_overtakes_goes_to_a_busy_worker() -> None:
     with pytest.raises(APIError) as exc:
         await r.choose("m", [], PromptMemo(PROMPT, overtake=True))
     assert exc.value.status == 503
+
+
+async def test_an_overtaking_request_goes_where_a_running_sequence_ends_soonest() -> None:
+    r = _router(index=FakeIndex({"a": 9}), busy_waiting=1)
+    workers = [_w("a", waiting=3), _w("b", waiting=3)]
+    running = {"a": 40, "b": 3}
+    for wid, left in running.items():
+        d = Decision(wid, remaining=left)
+        r.started(d)
+        r.prefilled(d)  # running: it produced a token
+    # a caches the prompt, but b frees a slot first: neither engine preempts for the waiting request.
+    picks = {(await r.choose("m", workers, PromptMemo(PROMPT, overtake=True))).worker_id for _ in range(20)}
+    assert picks == {"b"}
+    assert (await r.choose("m", [workers[0], _w("b")], PromptMemo(PROMPT))).worker_id == "b"  # not busy
 
 
 async def test_index_outage_falls_back_to_load_and_recovers() -> None:
