@@ -189,8 +189,12 @@ class FairQueue:
         try:
             async with asyncio.timeout(self._max_wait_s):
                 await asyncio.shield(waiter.granted)
-        except TimeoutError:
-            raise _busy() from None
+        except BaseException as exc:
+            if waiter.granted.done() and not waiter.granted.cancelled():
+                self.done(turn)  # let through as its wait ended otherwise: the place goes to the next
+            if isinstance(exc, TimeoutError):
+                raise _busy() from None
+            raise
         finally:
             if not waiter.granted.done():
                 waiter.granted.cancel()

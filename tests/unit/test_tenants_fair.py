@@ -294,3 +294,19 @@ def test_a_body_priority_only_lowers_the_tenants_standing() -> None:
     assert raised.priority == 3 and raised.overtake
     # Without a turn (no fair queue, or the admin key) the body's priority is the engine's, as before.
     assert with_turn(request(None), prepared(-50)).priority == -50
+
+
+async def test_a_request_cancelled_as_it_is_let_through_gives_its_place_back() -> None:
+    busy = Busy()
+    q = queue(busy, a=Tenant(api_keys=["a"]), b=Tenant(api_keys=["b"]))
+    first = asyncio.create_task(q.wait_turn("a", 1))
+    second = asyncio.create_task(q.wait_turn("b", 1))
+    await asyncio.sleep(0)
+    busy.room = 1
+    assert q.release() == 1  # `a` has its turn ...
+    first.cancel()  # ... and its client leaves before it runs on
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    async with asyncio.timeout(1):
+        await second  # the place went on to `b`
+    assert q.inflight["a"] == [] and q.room() == 0
