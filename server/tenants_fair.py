@@ -14,12 +14,15 @@ The order goes on below the frontend: every request let through carries an engin
 class first, then its tenant's rank by counter (lower runs first, as in vLLM), so the engines order their
 waiting queues the same way. A request whose priority is better than one this frontend has in flight is let
 through at once even while workers are busy (`Turn.overtake`): it goes ahead of what the engine holds
-waiting, where the frontend's order cannot reach.
+waiting, where the frontend's order cannot reach (the router sends it to a busy worker, server/router.py).
+Neither engine preempts a running sequence for a better waiting one (vLLM's V1 scheduler does not), so it
+still waits there for one running sequence to end.
 
 The counters are shared by every frontend through Redis: the quota script (server/tenants_quota.py) charges
 a request's prompt at admission and its completion at the end, and hands back every tenant's counter, which
 `sync` takes. While Redis does not answer (`SHARED_S` after the last sync) the frontend charges its own
-counters instead. The lift of a tenant that starts waiting is this frontend's own.
+counters instead. The lift of a tenant that becomes active is this frontend's own: `sync` adds each increase
+of a shared counter on top of it.
 """
 
 from __future__ import annotations
