@@ -340,8 +340,9 @@ class FrontendSettings(CommonSettings, RouterSettings, BatchSettings):
     tenants_fair: bool = dataclasses.field(
         default=True,
         metadata=_help(
-            "while every worker is busy, admit tenants' requests in weighted-fair order (docs/tenants.md); "
-            "--no-tenants-fair admits them in arrival order, as without tenants (for comparison)"
+            "while every worker is busy, admit tenants' requests in weighted-fair order, and give each an engine "
+            "priority by its tenant's standing (docs/tenants.md); --no-tenants-fair admits them in arrival order "
+            "with the body's priority, as without tenants (for comparison)"
         ),
     )
     chat_template: str = dataclasses.field(

@@ -64,7 +64,7 @@ def create_app(settings: FrontendSettings) -> Starlette:
                 fair = FairQueue(
                     tenants, room, fe.pool.wait_refreshed, settings.busy_wait_s, settings.max_queued_requests,
                     lambda tenant, n: metrics.tenant_queued.labels(tenant).set(n),
-                    settle_s=2 * settings.heartbeat_interval_s,
+                    settle_s=2 * settings.heartbeat_interval_s, priority_ceiling=settings.batch_priority - 1,
                 )  # fmt: skip
                 app.state.fair = await stack.enter_async_context(fair.running())
 

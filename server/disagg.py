@@ -56,7 +56,9 @@ async def place(router: Router, model: str, workers: list[WorkerStatus], memo: P
     uncached = len(memo.tokens) - decode.predicted_cached_blocks * block_size
     if uncached < router.config.disagg_min_uncached_tokens:
         return Placement(decode, mode="local")
-    prefill_memo = PromptMemo(memo.tokens, memo.lora_name, max_tokens=1, hashes=memo.hashes)
+    prefill_memo = PromptMemo(
+        memo.tokens, memo.lora_name, max_tokens=1, hashes=memo.hashes, overtake=memo.overtake
+    )
     try:
         first = await router.choose(model, prefill, prefill_memo)
     except AllBusy:

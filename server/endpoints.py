@@ -13,7 +13,7 @@ from schemas.streams import StreamRecord
 from server.errors import APIError
 from server.frontend import Frontend
 from server.generation import Generation, new_id
-from server.http import admit_tenant, decode, json_response, read_body, route, until_disconnect
+from server.http import admit_tenant, decode, json_response, read_body, route, until_disconnect, with_turn
 from server.kinds import KINDS, Kind
 from server.responses import collect, stream
 from server.resume import Replay, parse_last_event_id
@@ -77,6 +77,7 @@ async def _generate(kind: Kind, fe: Frontend, request: Request) -> Response:
     prompt_tokens = sum(len(p) for p in prepared.prompts)
     fe.metrics.prompt_tokens.inc(prompt_tokens)
     limits = await admit_tenant(request, prompt_tokens)  # 429 over the tenant's quota
+    prepared = with_turn(request, prepared)
     resumable = _wants_resumable(request) and prepared.stream
     gen = Generation(fe.svc, req.model, prepared, new_id(kind.id_prefix), resumable, request.state.arrived)
     request.state.completion_tokens = lambda: sum(len(s.token_ids) for s in gen.stream.sequences.values())

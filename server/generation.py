@@ -137,11 +137,12 @@ class Generation:
         router = self.svc.router
         try:
             for pi, ids in enumerate(p.prompts):
-                memo = PromptMemo(ids, max_tokens=p.max_tokens)
+                memo = PromptMemo(ids, max_tokens=p.max_tokens, overtake=p.overtake)
                 for c in range(p.n):
                     t0 = time.perf_counter()
                     placed = await self.place(memo)
                     decision = placed.first
+                    decision.remaining = p.max_tokens
                     router.started(decision)
                     if placed.decode is not None:
                         router.started(placed.decode)  # reserved now, so concurrent requests see it
@@ -262,6 +263,7 @@ class Generation:
                 idle_since = now
                 self._observe_tokens(batch)
                 for seq, chunk in batch:
+                    seq.decision.remaining -= len(chunk.token_ids)
                     if chunk.token_ids and not seq.decision.prefilled:
                         self.svc.router.prefilled(seq.decision)
                     if chunk.token_ids and seq.handoff is not None and chunk.finish_reason is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -17,8 +18,9 @@ from schemas.tenants import UsageRecord
 from server.errors import APIError, from_validation_error
 from server.frontend import Frontend
 from server.metrics import FrontendMetrics
+from server.preprocess import Prepared
 from server.sse import SSEResponse
-from server.tenants_fair import FairQueue
+from server.tenants_fair import FairQueue, Turn
 from server.tenants_quota import Lease, QuotaGate
 from server.tenants_usage import UsagePublisher
 
@@ -120,9 +122,19 @@ async def admit_tenant(request: Request, prompt_tokens: int) -> dict[str, str]:
     fair: FairQueue | None = getattr(request.app.state, "fair", None)
     if fair is not None:
         fair.sync(lease.counters)
-        await fair.wait_turn(tenant, prompt_tokens)  # while workers are busy: in weighted-fair order
-        request.state.fair_turn = True
+        # While workers are busy: in weighted-fair order. The turn carries the request's engine priority.
+        request.state.fair_turn = await fair.wait_turn(tenant, prompt_tokens)
     return lease.headers
+
+
+def with_turn(request: Request, prepared: Prepared) -> Prepared:
+    """The request with its tenant's engine priority (server/tenants_fair.py) when the fair queue gave it one;
+    the body's own `priority` can only lower it further, never raise it above the tenant's standing."""
+    turn: Turn | None = getattr(request.state, "fair_turn", None)
+    if turn is None:
+        return prepared
+    priority = turn.priority + max(0, prepared.priority)
+    return dataclasses.replace(prepared, priority=priority, overtake=turn.overtake)
 
 
 async def _end_tenant(request: Request, status: int) -> None:
@@ -138,8 +150,9 @@ async def _end_tenant(request: Request, status: int) -> None:
     fair: FairQueue | None = getattr(request.app.state, "fair", None)
     if fair is not None:
         fair.charge(lease.tenant, lease.completion_tokens)
-        if getattr(request.state, "fair_turn", False):
-            fair.done()
+        turn: Turn | None = getattr(request.state, "fair_turn", None)
+        if turn is not None:
+            fair.done(turn)
     usage: UsagePublisher | None = getattr(request.app.state, "usage", None)
     if usage is not None:
         usage.publish(

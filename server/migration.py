@@ -353,6 +353,7 @@ class Mover:
         svc.router.finished(seq.decision)
         if handoff is None:
             svc.router.started(decision)
+        decision.remaining = seq.decision.remaining  # what the sequence may still generate goes with it
         seq.decision = decision
         seq.moved_from = old
         target = seq.attempt + 1

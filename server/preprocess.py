@@ -55,6 +55,9 @@ class Prepared:
     # False when prompt logprobs are computed only for `echo` with `logprobs`: the `prompt_logprobs` field
     # of the response shows only when the request asked for it.
     show_prompt_logprobs: bool = True
+    # Sent to a worker even while every worker counts as busy: its engine priority goes ahead of requests
+    # waiting there (a tenant's turn, server/tenants_fair.py).
+    overtake: bool = False
 
 
 def _flatten_content(content: str | list[Any] | None, index: int) -> str:

@@ -73,6 +73,8 @@ class Decision:
     decode_blocks: int = 0
     decodes: bool = True  # False: at most one token asked for, so no decode phase and no decode load
     prefilled: bool = False
+    # Tokens the sequence may still generate, as this frontend counts them (its max_tokens less those it got).
+    remaining: int = 0
     model: str = ""  # the base model whose index holds the blocks
     # kv policy: the prompt's full-block hashes (held while the sequence runs) and its partial block.
     blocks: list[int] = field(default_factory=list)
@@ -86,6 +88,8 @@ class PromptMemo:
     tokens: list[int]
     lora_name: str | None = None
     max_tokens: int | None = None  # None: unknown, assumed to decode
+    # Goes to a busy worker rather than waiting for one: its engine priority is ahead of what they hold waiting.
+    overtake: bool = False
     hashes: dict[int, list[int]] = field(default_factory=dict)
 
     def chain(self, model: str, block_size: int) -> list[int]:
@@ -134,6 +138,8 @@ class Router:
         # those that will decode (the decode load counts these).
         self.active_blocks: dict[str, Counter[int]] = {}
         self.decoding_blocks: dict[str, Counter[int]] = {}
+        # This frontend's sequences that produced a token (running in their engine), per worker.
+        self.running: dict[str, dict[int, Decision]] = {}
         self.index_ok = True
         # The KV log's copy of the index (server/kv_indexer.py): answers while Redis lost or cannot reach it.
         self.standby: Standby | None = None
@@ -158,6 +164,8 @@ class Router:
                 503, f"No live worker serves the model `{model}` right now.", code="no_workers", retry_after=1
             )
         candidates = self.available(workers)
+        if not candidates and prompt.overtake:
+            candidates = self._soonest_slot(workers)
         if not candidates:
             raise AllBusy()
         t0 = time.perf_counter()
@@ -206,6 +214,17 @@ class Router:
             partial_block=prompt_blocks - len(chain) if chain else 0,
             model=candidates[0].model,
         )
+
+    def _soonest_slot(self, workers: list[WorkerStatus]) -> list[WorkerStatus]:
+        """The busy workers where a running sequence is nearest its end, as far as this frontend knows (all
+        of them when it knows none): a request that goes ahead of what they hold waiting starts there when
+        one ends, as neither engine preempts a running sequence for it."""
+
+        def left(w: WorkerStatus) -> float:
+            return min((d.remaining for d in self.running.get(w.worker_id, {}).values()), default=math.inf)
+
+        soonest = min(left(w) for w in workers)
+        return [w for w in workers if left(w) == soonest]
 
     def _weighted(self, overlap: tuple[int, int]) -> float:
         """Cached blocks with those only on host counted at `host_block_weight`."""
@@ -322,12 +341,16 @@ class Router:
         """The sequence produced its first token: its prompt is no longer pending prefill."""
         if not d.prefilled:
             d.prefilled = True
+            self.running.setdefault(d.worker_id, {})[id(d)] = d
             load = self.local.get(d.worker_id)
             if load is not None:
                 load.prefill_tokens -= d.prefill_tokens
 
     def finished(self, d: Decision) -> None:
         """The sequence ended."""
+        running = self.running.get(d.worker_id)
+        if running is not None and running.pop(id(d), None) is not None and not running:
+            del self.running[d.worker_id]
         load = self.local.get(d.worker_id)
         if load is None:
             return

@@ -4,15 +4,25 @@ In the spirit of VTC (Sheng et al., "Fairness in Serving Large Language Models",
 a counter of the tokens it was served divided by its weight. While a worker has room, requests go straight
 through (and are charged), as many as the last refresh saw room for, plus one for each that ended since. While every worker is busy, requests
 wait here; on each registry refresh (fresh load figures) as many as the workers have room for are let
-through, highest priority class first, then the tenant with the smallest counter. A tenant that starts
-waiting has its counter lifted to the smallest among those waiting (what they were served: less what they
-have waiting here, which Redis charged on arrival), so idling does not bank credit. A flood from one tenant thus queues behind its
-own share instead of ahead of everyone.
+through, highest priority class first, then the tenant with the smallest counter. A tenant that becomes
+active (nothing waiting here, nothing in flight) has its counter lifted to the smallest among the active
+ones (what they were served: less what they have waiting or in flight, which Redis charged on arrival), so
+idling does not bank credit. A flood from one tenant thus queues behind its own share instead of ahead of
+everyone.
+
+The order goes on below the frontend: every request let through carries an engine priority (`Turn`), its
+class first, then its tenant's rank by counter (lower runs first, as in vLLM), so the engines order their
+waiting queues the same way. A request whose priority is better than one this frontend has in flight is let
+through at once even while workers are busy (`Turn.overtake`): it goes ahead of what the engine holds
+waiting, where the frontend's order cannot reach (the router sends it to a busy worker, server/router.py).
+Neither engine preempts a running sequence for a better waiting one (vLLM's V1 scheduler does not), so it
+still waits there for one running sequence to end.
 
 The counters are shared by every frontend through Redis: the quota script (server/tenants_quota.py) charges
 a request's prompt at admission and its completion at the end, and hands back every tenant's counter, which
 `sync` takes. While Redis does not answer (`SHARED_S` after the last sync) the frontend charges its own
-counters instead. The lift of a tenant that starts waiting is this frontend's own.
+counters instead. The lift of a tenant that becomes active is this frontend's own: `sync` adds each increase
+of a shared counter on top of it.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -29,14 +39,27 @@ from schemas.tenants import Tenant
 from server.errors import APIError
 from server.tenants_quota import background
 
-_RANK = {"high": 0, "normal": 1, "low": 2}
+# Priority classes as engine priority bands (lower runs first); "normal" starts at 0, where requests without
+# a tenant (the admin key) and interactive requests without tenants are.
+_CLASS = {"high": -1, "normal": 0, "low": 1}
+DEFAULT_CEILING = 99  # below the default `--batch-priority` (100)
 SHARED_S = 10.0  # counters synced from Redis this recently are Redis's to charge
 
 
 @dataclass
-class _Waiter:
+class Turn:
+    """A request let through: its engine priority, and whether it goes ahead of busy workers' queues."""
+
+    tenant: str
     cost: float
-    turn: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    priority: int = 0
+    overtake: bool = False
+
+
+@dataclass
+class _Waiter:
+    turn: Turn
+    granted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class FairQueue:
@@ -51,16 +74,24 @@ class FairQueue:
         max_queued: int = 256,
         on_queued: Callable[[str, int], None] = lambda tenant, n: None,
         settle_s: float = 0.0,
+        priority_ceiling: int = DEFAULT_CEILING,
     ) -> None:
         self.tenants = dict(tenants)
         self.counters = dict.fromkeys(tenants, 0.0)
         self.waiting: dict[str, deque[_Waiter]] = {name: deque() for name in tenants}
+        # Requests let through and not ended, per tenant: their prompt costs (charged, not yet served).
+        self.inflight: dict[str, list[float]] = {name: [] for name in tenants}
+        # Engine priorities of the requests let through and not ended (what a better one may overtake).
+        self._held: Counter[int] = Counter()
         self._room = room
         self._wait_refreshed = wait_refreshed
         self._max_wait_s = max_wait_s
         self._max_queued = max_queued  # --max-queued-requests, as for requests waiting without tenants
         self._on_queued = on_queued  # a tenant's number of waiting requests changed (a gauge)
         self._synced_at = -SHARED_S
+        self._seen = dict.fromkeys(tenants, 0.0)  # each tenant's counter as Redis last handed it back
+        # Tenant priorities stay above batch items' (`--batch-priority`): at most this.
+        self._ceiling = priority_ceiling
         # Requests let through since the last refresh, less those that ended: the room the refresh saw is
         # theirs until load figures that count them arrive (a burst must not all go straight through on one
         # stale figure), and a request that ends gives its place to the next at once (not at the refresh).
@@ -83,56 +114,106 @@ class FairQueue:
             self.counters[tenant] += tokens / self.tenants[tenant].weight
 
     def _served(self, tenant: str) -> float:
-        """The tenant's counter without its requests waiting here (Redis charges prompts on arrival)."""
-        if not self._shared():
-            return self.counters[tenant]
-        return self.counters[tenant] - sum(w.cost for w in self.waiting[tenant]) / self.tenants[tenant].weight
+        """The tenant's counter without its requests waiting here or in flight (Redis charges prompts on
+        arrival; this frontend charges them when they are let through)."""
+        pending = sum(self.inflight[tenant])
+        if self._shared():
+            pending += sum(w.turn.cost for w in self.waiting[tenant])
+        return self.counters[tenant] - pending / self.tenants[tenant].weight
 
     def room(self) -> int:
         """Places free now: what the last refresh saw, less what went through since."""
         return max(0, self._room() - self._spent)
 
     def sync(self, shared: Mapping[str, float]) -> None:
-        """Take the counters every frontend charges in Redis (never lowering one this frontend lifted)."""
+        """Take what every frontend charged in Redis since the last sync (keeping what this frontend lifted)."""
         if not shared:
             return
         self._synced_at = time.monotonic()
         for name, value in shared.items():
-            if name in self.counters:
-                self.counters[name] = max(self.counters[name], value)
+            if name in self.counters and value > self._seen[name]:
+                # Only the increase: a lift stays on top of it, and an older answer never lowers a counter.
+                self.counters[name] += value - self._seen[name]
+                self._seen[name] = value
 
-    async def wait_turn(self, tenant: str, cost: int) -> None:
-        """Return when it is this request's turn (at once while workers have room and nobody waits)."""
+    def priority(self, tenant: str) -> int:
+        """The engine priority of the tenant's next request (lower runs first): its class, then how many
+        tenants have a smaller counter; never below what batch items get."""
+        rank = sum(c < self.counters[tenant] for c in self.counters.values())
+        return min(_CLASS[self.tenants[tenant].priority] * len(self.tenants) + rank, self._ceiling)
+
+    def _lift(self, tenant: str) -> None:
+        """A tenant that becomes active starts from the smallest counter among the active ones."""
+        if self.waiting[tenant] or self.inflight[tenant]:
+            return
+        active = [
+            self._served(t) for t in self.tenants if t != tenant and (self.waiting[t] or self.inflight[t])
+        ]
+        if active:
+            self.counters[tenant] = max(self.counters[tenant], min(active))
+
+    def _may_overtake(self, tenant: str) -> bool:
+        """Whether a request of the tenant goes ahead of busy workers' queues: its priority is better than
+        that of more requests in flight than the tenant has in flight itself (each overtakes one of them),
+        and none of its own waits here (a tenant's requests keep their order)."""
+        if self.waiting[tenant] or not self._held:
+            return False
+        mine = self.priority(tenant)
+        worse = sum(n for p, n in self._held.items() if p > mine)
+        return len(self.inflight[tenant]) < worse
+
+    def _grant(self, turn: Turn) -> Turn:
+        turn.priority = self.priority(turn.tenant)
+        self.charge(turn.tenant, turn.cost)
+        self.inflight[turn.tenant].append(turn.cost)
+        self._held[turn.priority] += 1
+        return turn
+
+    async def wait_turn(self, tenant: str, cost: int) -> Turn:
+        """Return when it is this request's turn (at once while workers have room and nobody waits, or when it
+        goes ahead of a request in flight), with the engine priority it carries."""
+        self._lift(tenant)
+        turn = Turn(tenant, cost)
         if not self.queued() and self.room() > 0:
             self._spent += 1
-            self.charge(tenant, cost)
-            return
+            return self._grant(turn)
+        if self._may_overtake(tenant):
+            # Busy workers would take it ahead of a worse request this frontend sent them: send it now.
+            self._spent += 1
+            turn.overtake = True
+            return self._grant(turn)
         if self.queued() >= self._max_queued:
             raise _busy()
         queue = self.waiting[tenant]
-        if not queue:
-            backlogged = [self._served(t) for t, q in self.waiting.items() if q]
-            if backlogged:
-                self.counters[tenant] = max(self.counters[tenant], min(backlogged))
-        waiter = _Waiter(cost)
+        waiter = _Waiter(turn)
         queue.append(waiter)
         self._on_queued(tenant, len(queue))
         self.release()
         try:
             async with asyncio.timeout(self._max_wait_s):
-                await asyncio.shield(waiter.turn)
-        except TimeoutError:
-            raise _busy() from None
+                await asyncio.shield(waiter.granted)
+        except BaseException as exc:
+            if waiter.granted.done() and not waiter.granted.cancelled():
+                self.done(turn)  # let through as its wait ended otherwise: the place goes to the next
+            if isinstance(exc, TimeoutError):
+                raise _busy() from None
+            raise
         finally:
-            if not waiter.turn.done():
-                waiter.turn.cancel()
+            if not waiter.granted.done():
+                waiter.granted.cancel()
                 with contextlib.suppress(ValueError):
                     queue.remove(waiter)
                 self._on_queued(tenant, len(queue))
+        return turn
 
-    def done(self) -> None:
+    def done(self, turn: Turn) -> None:
         """A request that had its turn ended: its place goes to the next waiting one."""
         self._spent -= 1
+        with contextlib.suppress(ValueError):
+            self.inflight[turn.tenant].remove(turn.cost)
+        self._held[turn.priority] -= 1
+        if self._held[turn.priority] <= 0:
+            del self._held[turn.priority]
         if self.queued():
             self.release()
 
@@ -142,7 +223,7 @@ class FairQueue:
         chosen = None
         for name, queue in self.waiting.items():
             if queue:
-                key = (_RANK[self.tenants[name].priority], self.counters[name])
+                key = (_CLASS[self.tenants[name].priority], self.counters[name])
                 if best is None or key < best:
                     best, chosen = key, name
         return chosen
@@ -157,10 +238,10 @@ class FairQueue:
                 break
             waiter = self.waiting[tenant].popleft()
             self._on_queued(tenant, len(self.waiting[tenant]))
-            if waiter.turn.done():
+            if waiter.granted.done():
                 continue  # its client gave up
-            waiter.turn.set_result(None)
-            self.charge(tenant, waiter.cost)
+            self._grant(waiter.turn)
+            waiter.granted.set_result(None)
             went += 1
         self._spent += went
         return went

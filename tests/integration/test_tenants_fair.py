@@ -5,6 +5,10 @@ engine, so a flood from one tenant backs up in the frontend. A quiet tenant of e
 the flood is admitted ahead of the flood's backlog. With `--no-tenants-fair` the same test fails: the quiet
 tenant's requests come after all 12 of the flood's (checked by hand: 1 flood request ahead of each quiet one
 with fairness, 12 without).
+
+Below the frontend: with a busy threshold the flood never reaches, its requests all go to the worker and wait
+in the engine's queue; the quiet tenant's request carries a better engine priority and runs next. Without the
+priorities (every request 0, as before they existed) it ran after every flood request queued there.
 """
 
 from __future__ import annotations
@@ -72,3 +76,30 @@ async def test_a_quiet_tenant_goes_ahead_of_a_floods_backlog(h: Harness, tmp_pat
     # them (the flood's backlog is ahead); fair order: the few already on the worker, then turns alternate.
     ahead = [sum(f < q for f in flood_t) for q in quiet_t]
     assert max(ahead) <= FLOOD // 2, (ahead, sorted(flood_t), quiet_t)
+
+
+async def test_a_quiet_request_overtakes_a_floods_requests_waiting_in_the_engine(
+    h: Harness, tmp_path: Path
+) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    running = await h.add_worker(speedup=1.0, max_num_seqs=1)
+    engine = running.worker.engine
+    # Never busy for the frontend: every flood request is sent on, one runs and the others wait in the engine.
+    _, url = await h.add_frontend(tenants=str(path), busy_waiting=FLOOD + 8, busy_wait_s=60.0)
+    started = time.perf_counter()
+    flood = [asyncio.create_task(first_token(url, "key-flood", i, started)) for i in range(FLOOD)]
+
+    async def backed_up() -> bool:
+        return engine.stats().waiting >= FLOOD // 2
+
+    await until(backed_up, 30)
+    sent = time.perf_counter() - started
+    quiet = await first_token(url, "key-quiet", 0, started)
+    async with asyncio.timeout(120):
+        flood_t = await asyncio.gather(*flood)
+    # Flood requests that got their first token between the quiet one's arrival and its own: at most the one
+    # running (and one more if it ended as the quiet request was on its way); arrival order: every one waiting.
+    overtaken_by = sum(sent < f < quiet for f in flood_t)
+    assert overtaken_by <= 2, (overtaken_by, sent, quiet, sorted(flood_t))
+    assert sum(f > quiet for f in flood_t) >= FLOOD // 2 - 2

@@ -12,7 +12,7 @@ from schemas.settings import RouterSettings
 from schemas.status import WorkerStatus
 from server.errors import APIError
 from server.metrics import FrontendMetrics
-from server.router import AllBusy, PromptMemo, Router
+from server.router import AllBusy, Decision, PromptMemo, Router
 
 
 def _w(wid: str, waiting: int = 0, kv_usage: float = 0.0) -> WorkerStatus:
@@ -208,6 +208,30 @@ async def test_busy_workers_are_skipped_and_all_busy_raises() -> None:
     with pytest.raises(APIError) as exc:
         await r.choose("m", [], PromptMemo(PROMPT))
     assert exc.value.status == 503
+
+
+async def test_a_request_that_overtakes_goes_to_a_busy_worker() -> None:
+    r = _router(index=FakeIndex({"a": 9}), busy_kv_usage=0.9, busy_waiting=5)
+    workers = [_w("a", kv_usage=0.95), _w("b", waiting=5)]
+    # Its engine priority puts it ahead of what they hold waiting: it is sent (by cost) instead of waiting.
+    assert (await r.choose("m", workers, PromptMemo(PROMPT, overtake=True))).worker_id in ("a", "b")
+    with pytest.raises(APIError) as exc:
+        await r.choose("m", [], PromptMemo(PROMPT, overtake=True))
+    assert exc.value.status == 503
+
+
+async def test_an_overtaking_request_goes_where_a_running_sequence_ends_soonest() -> None:
+    r = _router(index=FakeIndex({"a": 9}), busy_waiting=1)
+    workers = [_w("a", waiting=3), _w("b", waiting=3)]
+    running = {"a": 40, "b": 3}
+    for wid, left in running.items():
+        d = Decision(wid, remaining=left)
+        r.started(d)
+        r.prefilled(d)  # running: it produced a token
+    # a caches the prompt, but b frees a slot first: neither engine preempts for the waiting request.
+    picks = {(await r.choose("m", workers, PromptMemo(PROMPT, overtake=True))).worker_id for _ in range(20)}
+    assert picks == {"b"}
+    assert (await r.choose("m", [workers[0], _w("b")], PromptMemo(PROMPT))).worker_id == "b"  # not busy
 
 
 async def test_index_outage_falls_back_to_load_and_recovers() -> None:

@@ -502,3 +502,32 @@ async def test_host_tier_serves_an_evicted_prefix_and_charges_the_load(make_engi
         e for b in await drain(engine) for e in b.events if isinstance(e, BlockStored) and e.medium == "CPU"
     ]
     assert host
+
+
+async def test_a_better_waiting_request_preempts_nothing_as_in_vllm(make_engine: MakeEngine) -> None:
+    # vLLM's V1 scheduler under the priority policy (0.32: Scheduler.schedule) preempts only when a *running*
+    # request cannot get KV blocks; a waiting request stops admission when the running set is full
+    # (max_num_seqs) or its blocks do not fit, whatever its priority. The sim does the same.
+    full = await make_engine(max_num_seqs=2)
+    low = [full.generate(req(rid, prompt(10, i), 30, priority=5)) for i, rid in enumerate("AB")]
+    for s in low:
+        await anext(s)  # both running (their first tokens), 29 to go
+    late = [full.generate(req("C", prompt(10, 7), 2, priority=5)), full.generate(req("H", prompt(10, 8), 2))]
+    done = await asyncio.gather(*(collect(s) for s in low + late))
+    assert all(r.last.finish_reason == "length" for r in done)
+    assert full.victims == []
+    order = list(dict.fromkeys(rid for step in full.steps for rid in step))
+    assert order == ["A", "B", "H", "C"]  # H waits for a slot, then goes ahead of the earlier C
+    # KV short for a waiting request: it waits too, and preempts nobody.
+    tiny = await make_engine(block_size=4, num_blocks=10, max_model_len=40)
+    a = tiny.generate(req("A", prompt(24, 1), 8, priority=5))
+    await anext(a)  # running, holding 7 of the 10 blocks
+    first = asyncio.ensure_future(collect(a))
+    await collect(tiny.generate(req("H", prompt(24, 2), 2)))
+    assert (await first).last.finish_reason == "length"
+    assert tiny.victims == []
+    steps_of = (
+        [i for i, step in enumerate(tiny.steps) if "H" in step],
+        [i for i, s in enumerate(tiny.steps) if "A" in s],
+    )
+    assert min(steps_of[0]) > max(steps_of[1])  # H ran once A had ended and freed its blocks

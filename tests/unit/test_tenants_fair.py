@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from schemas.kafka import SamplingParams
 from schemas.status import WorkerStatus
 from schemas.tenants import Tenant
 from server.errors import APIError
-from server.tenants_fair import FairQueue, room_of
+from server.http import with_turn
+from server.preprocess import Prepared
+from server.tenants_fair import FairQueue, Turn, room_of
 
 
 class Busy:
@@ -187,11 +192,121 @@ async def test_a_request_that_ends_gives_its_place_to_the_next_at_once() -> None
     busy = Busy()
     busy.room = 1
     q = queue(busy, a=Tenant(api_keys=["a"]), b=Tenant(api_keys=["b"]))
-    await q.wait_turn("a", 1)  # takes the one place the last refresh saw
+    first = await q.wait_turn("a", 1)  # takes the one place the last refresh saw
     waiting = asyncio.create_task(q.wait_turn("b", 1))
     await asyncio.sleep(0)
     assert q.queued() == 1
-    q.done()  # no refresh: the ended request's place is the waiting one's
+    q.done(first)  # no refresh: the ended request's place is the waiting one's
     async with asyncio.timeout(1):
         await waiting
     assert q.queued() == 0
+
+
+async def test_the_turn_carries_an_engine_priority_by_class_then_counter() -> None:
+    busy = Busy()
+    busy.room = 100
+    q = queue(
+        busy, flood=Tenant(api_keys=["f"]), quiet=Tenant(api_keys=["q"]),
+        vip=Tenant(api_keys=["v"], priority="high"), spare=Tenant(api_keys=["s"], priority="low"),
+    )  # fmt: skip
+    q.sync({"flood": 5000.0, "quiet": 100.0, "vip": 9000.0, "spare": 0.0})
+    flood, quiet = await q.wait_turn("flood", 10), await q.wait_turn("quiet", 10)
+    vip, spare = await q.wait_turn("vip", 10), await q.wait_turn("spare", 10)
+    # Lower runs first: the quiet tenant (smaller counter) ahead of the flood; the high class ahead of every
+    # normal one whatever its counter; the low class behind them all; all above batch items (100).
+    assert quiet.priority < flood.priority
+    assert vip.priority < quiet.priority and spare.priority > flood.priority
+    assert spare.priority < 100
+    assert not any(t.overtake for t in (flood, quiet, vip, spare))
+
+
+async def test_priorities_stay_below_the_batch_ceiling() -> None:
+    busy = Busy()
+    busy.room = 10
+    tenants = {f"t{i}": Tenant(api_keys=[f"k{i}"], priority="low") for i in range(4)}
+    q = FairQueue(tenants, lambda: busy.room, busy.wait_refreshed, max_wait_s=5.0, priority_ceiling=4)
+    q.sync({f"t{i}": float(i) for i in range(4)})
+    assert [(await q.wait_turn(f"t{i}", 1)).priority for i in range(4)] == [4, 4, 4, 4]
+
+
+async def test_a_better_request_overtakes_while_workers_are_busy() -> None:
+    busy = Busy()
+    busy.room = 4
+    q = queue(busy, flood=Tenant(api_keys=["f"]), quiet=Tenant(api_keys=["q"]))
+    q.sync({"flood": 1000.0, "quiet": 10.0})
+    held = [await q.wait_turn("flood", 10) for _ in range(4)]  # the room is theirs: workers now busy
+    waiting = asyncio.create_task(q.wait_turn("flood", 10))
+    await asyncio.sleep(0)
+    assert q.queued() == 1 and not waiting.done()
+    # The quiet tenant's request would go ahead of the flood's in an engine's queue: it is sent at once.
+    async with asyncio.timeout(1):
+        quiet = await q.wait_turn("quiet", 10)
+    assert quiet.overtake and quiet.priority < held[0].priority
+    assert q.queued() == 1  # the flood's own request still waits its turn
+    for turn in [*held, quiet]:
+        q.done(turn)
+    await waiting
+
+
+async def test_overtaking_is_bounded_by_the_worse_requests_in_flight() -> None:
+    busy = Busy()
+    busy.room = 1
+    q = queue(busy, flood=Tenant(api_keys=["f"]), quiet=Tenant(api_keys=["q"]))
+    q.sync({"flood": 1000.0, "quiet": 10.0})
+    flood = await q.wait_turn("flood", 10)
+    first = await q.wait_turn("quiet", 10)
+    assert first.overtake
+    # One worse request in flight, already overtaken once: the next quiet request waits.
+    second = asyncio.create_task(q.wait_turn("quiet", 10))
+    await asyncio.sleep(0)
+    assert not second.done() and q.queued() == 1
+    q.done(flood)
+    q.done(first)  # their places go to the waiting one
+    async with asyncio.timeout(1):
+        assert not (await second).overtake
+
+
+async def test_a_tenant_back_from_idling_banks_no_credit() -> None:
+    busy = Busy()
+    busy.room = 100
+    q = queue(busy, a=Tenant(api_keys=["a"]), b=Tenant(api_keys=["b"]))
+    q.sync({"a": 10.0, "b": 5000.0})
+    b = [await q.wait_turn("b", 100) for _ in range(3)]  # b active: 300 of its counter is in flight
+    turn = await q.wait_turn("a", 10)
+    # Lifted to what b was served (5000 less its 300 in flight), not left at the 10 it had before idling.
+    assert q.counters["a"] == 4700.0
+    assert turn.priority < b[0].priority  # still ahead of what b has in flight
+    q.sync({"a": 20.0, "b": 5300.0})  # Redis's next answer: a's own charge adds on top of the lift
+    assert q.counters["a"] == 4710.0 and q.counters["b"] == 5300.0
+
+
+def test_a_body_priority_only_lowers_the_tenants_standing() -> None:
+    def prepared(priority: int) -> Prepared:
+        return Prepared([[1]], ["x"], 4, SamplingParams(), 1, False, False, priority)
+
+    def request(turn: Turn | None) -> Any:
+        return SimpleNamespace(state=SimpleNamespace(fair_turn=turn) if turn else SimpleNamespace())
+
+    turn = Turn("quiet", 10, priority=3, overtake=True)
+    assert with_turn(request(turn), prepared(0)).priority == 3
+    assert with_turn(request(turn), prepared(5)).priority == 8  # lowered further
+    raised = with_turn(request(turn), prepared(-50))  # cannot go ahead of its tenant's standing
+    assert raised.priority == 3 and raised.overtake
+    # Without a turn (no fair queue, or the admin key) the body's priority is the engine's, as before.
+    assert with_turn(request(None), prepared(-50)).priority == -50
+
+
+async def test_a_request_cancelled_as_it_is_let_through_gives_its_place_back() -> None:
+    busy = Busy()
+    q = queue(busy, a=Tenant(api_keys=["a"]), b=Tenant(api_keys=["b"]))
+    first = asyncio.create_task(q.wait_turn("a", 1))
+    second = asyncio.create_task(q.wait_turn("b", 1))
+    await asyncio.sleep(0)
+    busy.room = 1
+    assert q.release() == 1  # `a` has its turn ...
+    first.cancel()  # ... and its client leaves before it runs on
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    async with asyncio.timeout(1):
+        await second  # the place went on to `b`
+    assert q.inflight["a"] == [] and q.room() == 0
