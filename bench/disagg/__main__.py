@@ -163,6 +163,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             bound = allowed[f"{rate:g}"]["infinite"]
             rows[key] = summary(result, args.workers) | {"rate": rate, "base": base, "host_blocks": h,
                                                           "bound": bound}  # fmt: skip
+            if "--prefill-workers" in extra or name.startswith("dynamo"):
+                # A decode worker counts the KV it received as cached (as vLLM counts a connector's): not the
+                # cache's hits. The host tier is measured on aggregated workers.
+                rows[key]["cached_fraction"] = None
             print(f"{key}: {rows[key]}", flush=True)
     return {
         "command": "python -m bench.disagg " + " ".join(args.argv),
