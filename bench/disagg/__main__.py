@@ -17,7 +17,15 @@ from bench.disagg.tiers import bounds, host_tier_verdicts, verdict_table
 from bench.routing.client import ReplayResult, replay
 from bench.routing.run import machine_info
 from bench.stack import FerryStack
-from bench.workload import DEFAULT_TRACE, TokenBank, WorkItem, Workload, read_trace, trace_workload
+from bench.workload import (
+    DEFAULT_TRACE,
+    TokenBank,
+    WorkItem,
+    Workload,
+    per_worker_hits,
+    read_trace,
+    trace_workload,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,6 +125,19 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def routed_fraction(workload: Workload, r: ReplayResult) -> float | None:
+    """The cached fraction the router's choices allowed: every worker an infinite cache of what it was sent
+    (`per_worker_hits`, over the requests that finished). What a host tier can recover lies below it; the
+    rest of the gap to the infinite-cache bound was lost to routing, not to eviction."""
+    served = {x.index: x.worker for x in r.results if x.ok}
+    if not served or None in served.values():
+        return None
+    prompts = [it.prompt for it in workload.items]
+    hits = per_worker_hits(prompts, [served.get(it.index) for it in workload.items], 64)
+    total = sum(len(it.prompt) for it in workload.items if it.index in served)
+    return round(sum(hits) / total, 4) if total else None
+
+
 def make_workload(args: argparse.Namespace, rate: float, salt: str) -> Workload:
     """The run's requests at `rate`, token ids drawn with `salt`."""
     if args.workload == "trace":
@@ -162,7 +183,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             base = name.split(", host ")[0]
             bound = allowed[f"{rate:g}"]["infinite"]
             rows[key] = summary(result, args.workers) | {"rate": rate, "base": base, "host_blocks": h,
-                                                          "bound": bound}  # fmt: skip
+                                                          "bound": bound,
+                                                          "routed": routed_fraction(workload, result)}  # fmt: skip
             if "--prefill-workers" in extra or name.startswith("dynamo"):
                 # A decode worker counts the KV it received as cached (as vLLM counts a connector's): not the
                 # cache's hits. The host tier is measured on aggregated workers.
