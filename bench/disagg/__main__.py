@@ -8,6 +8,7 @@ import json
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,8 @@ def summary(r: ReplayResult, workers: int) -> dict[str, Any]:
         "first_gap_p50_ms": pct(first_gap, 0.5), "first_gap_p90_ms": pct(first_gap, 0.9),
         "output_tok_s_per_worker": tokens / r.wall_s / workers if r.wall_s else None,
         "cached_fraction": round(sum(x.cached_tokens for x in ok) / prompt, 4) if prompt else None,
+        # Requests per (first) worker: an uneven spread shows up here, not in the percentiles.
+        "per_worker": dict(sorted(Counter(x.worker or "?" for x in ok).items())),
     }  # fmt: skip
 
 
