@@ -165,6 +165,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         prompts = [it.prompt for it in make_workload(args, rate, "bounds").items]
         allowed[f"{rate:g}"] = bounds(prompts, args.workers, args.num_blocks, host_blocks, 64)
         for name, aggregated, extra in systems(args.workers, ratios, args.dynamo, host_blocks):
+            if args.no_aggregated and not extra:
+                continue
             salt = f"disagg-{name}-{time.time()}"  # a fresh run: nothing cached from the previous system's
             workload = make_workload(args, rate, salt)
             flags = ["--num-blocks", str(args.num_blocks), "--disagg-min-uncached-tokens", str(args.min_uncached),
@@ -226,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-blocks", type=int, default=4096, help="device KV blocks per worker")
     p.add_argument("--host-blocks", default="0",
                    help="host tier sizes in blocks per worker, comma-separated: every Ferry system once per size (0: off)")  # fmt: skip
+    p.add_argument("--no-aggregated", action="store_true", help="only the disaggregated systems")
     p.add_argument("--min-uncached-tokens", dest="min_uncached", type=int, default=0)
     p.add_argument("--settle-seconds", type=float, default=2.0)
     p.add_argument("--deadline-s", type=float, default=300.0)
