@@ -46,7 +46,9 @@ async def run(s: PlannerSettings) -> int:
     elif s.frontends:
         latency = FrontendScraper(http, fixed_frontends(s.frontends.split(",")), s.served_model_name)
     else:
-        latency = FrontendScraper(http, registered_frontends(registry, s.served_model_name), s.served_model_name)
+        latency = FrontendScraper(
+            http, registered_frontends(registry, s.served_model_name), s.served_model_name
+        )
     lag = KafkaLag(s.kafka)
     metrics = PlannerMetrics()
     server, _thread = start_http_server(s.planner_port, addr=s.planner_host, registry=metrics.registry)
@@ -61,6 +63,7 @@ async def run(s: PlannerSettings) -> int:
             lag,
             actuator,
             metrics,
+            pool=s.planner_pool,
         )
         # A line for launchers to wait on, printed whatever the log level.
         print(f"ferry-planner-ready http://{s.planner_host}:{server.server_port}/metrics", flush=True)

@@ -16,7 +16,8 @@ from planner.kafka_lag import KafkaLag
 from planner.latency import Latency
 from planner.metrics import PlannerMetrics
 from planner.policy import Action, Decision, Observation, Policy
-from schemas.ops_settings import PlannerPolicySettings
+from schemas.ops_settings import PlannerPolicySettings, PlannerPool
+from schemas.status import WorkerStatus
 
 log = logging.getLogger("ferry.planner")
 
@@ -27,6 +28,11 @@ class LatencySource(Protocol):
     async def read(self, now: float) -> Latency:
         """The last interval's numbers."""
         ...
+
+
+def in_pool(w: WorkerStatus, pool: PlannerPool) -> bool:
+    """Whether a worker belongs to the pool a planner sizes (decode: every role that decodes)."""
+    return pool == "all" or (w.role == "prefill") == (pool == "prefill")
 
 
 class Planner:
@@ -43,9 +49,11 @@ class Planner:
         metrics: PlannerMetrics,
         clock: Callable[[], float] = time.monotonic,
         policy: Policy | None = None,
+        pool: PlannerPool = "all",
     ) -> None:
         self.settings = settings
         self.model = model
+        self.pool = pool
         self.policy = policy or Policy(settings)
         self._registry = registry
         self._latency = latency
@@ -61,9 +69,13 @@ class Planner:
     async def observe(self, now: float) -> Observation:
         """One interval's view of the model's fleet."""
         view = await self._registry.view()
-        mine = [w for w in view.live if w.model == self.model]
+        mine = [w for w in view.live if w.model == self.model and in_pool(w, self.pool)]
         ready = [w for w in mine if not w.draining]
         lat = await self._latency.read(now)
+        # Disaggregated pools answer for different latencies, as in Dynamo's planner: a prefill pool for the
+        # first token (a remote prefill's TTFT is its), a decode pool for the gaps between tokens.
+        ttft = lat.ttft_p90_s if self.pool != "decode" else None
+        itl = lat.itl_p90_s if self.pool != "prefill" else None
         worker_lag = pool_lag = 0
         pool_rate: float | None = None
         if self._lag is not None:
@@ -83,8 +95,8 @@ class Planner:
             worker_lag=worker_lag,
             kv_usage=sum(w.kv_usage for w in ready) / len(ready) if ready else 0.0,
             arrival_rate=lat.arrival_rate,
-            ttft_p90_s=lat.ttft_p90_s,
-            itl_p90_s=lat.itl_p90_s,
+            ttft_p90_s=ttft,
+            itl_p90_s=itl,
             pool_lag=pool_lag,
             pool_rate=pool_rate,
         )

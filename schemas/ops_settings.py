@@ -62,6 +62,7 @@ class PlannerPolicySettings:
 
 
 PlannerActuator = Literal["none", "kubernetes"]
+PlannerPool = Literal["all", "prefill", "decode"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -77,6 +78,13 @@ class PlannerSettings(CommonSettings, PlannerPolicySettings):
     )
     prometheus: str = dataclasses.field(
         default="", metadata=_help("Prometheus URL to query TTFT, ITL and request rate from")
+    )
+    planner_pool: PlannerPool = dataclasses.field(
+        default="all",
+        metadata=_help(
+            "the workers this planner sizes: all of the model's; prefill = its prefill workers (by TTFT); decode = "
+            "the others (by ITL). With both pools, run one planner per pool, each with its own Deployment"
+        ),
     )
     actuator: PlannerActuator = dataclasses.field(
         default="none",

@@ -190,10 +190,14 @@ class Generation:
         task.add_done_callback(self._tasks.discard)
 
     def request_for(
-        self, seq: Sequence, generated: list[int] | None = None, kv_from: KVFrom | None = None
+        self,
+        seq: Sequence,
+        generated: list[int] | None = None,
+        kv_from: KVFrom | None = None,
+        attempt: int | None = None,
     ) -> GenerateRequest:
-        """The GenerateRequest of one sequence; with `generated`, of its next attempt (`kv_from`: the attempt
-        that continues a prefill worker's). A first attempt bound for a prefill worker asks for one token."""
+        """The GenerateRequest of one sequence; with `generated`, of its next attempt, `attempt` (`kv_from`: the
+        attempt that continues a prefill worker's). A first attempt bound for a prefill worker asks for one token."""
         p = self.prepared
         prior = generated or []
         prefill_only = generated is None and seq.handoff is not None
@@ -208,7 +212,7 @@ class Generation:
             priority=p.priority,
             deadline=self.deadline,
             generated_token_ids=prior,
-            attempt=seq.attempt,
+            attempt=seq.attempt if attempt is None else attempt,
             frontend_id=self.svc.frontend_id,
             seq_base=seq.next_seq,
             prefill_only=prefill_only,

@@ -120,7 +120,9 @@ class Migrations:
         if not lost:
             return
         self._metrics.worker_failures.inc(len(lost))
-        log.error("%s with %d sequence(s) in flight; moving them (migration limit %d)", what, len(lost), self._limit)
+        log.error(
+            "%s with %d sequence(s) in flight; moving them (migration limit %d)", what, len(lost), self._limit
+        )
         for stream, seq in lost:
             if stream.on_lost is not None:
                 # A moving sequence sends the Cancel itself, once its old worker's late chunks no longer count.
@@ -154,9 +156,13 @@ class MovingRequest(Protocol):
         ...
 
     def request_for(
-        self, seq: Sequence, generated: list[int] | None = None, kv_from: KVFrom | None = None
+        self,
+        seq: Sequence,
+        generated: list[int] | None = None,
+        kv_from: KVFrom | None = None,
+        attempt: int | None = None,
     ) -> GenerateRequest:
-        """The GenerateRequest of one sequence; with `generated`, of its next attempt."""
+        """The GenerateRequest of one sequence; with `generated`, of its next attempt (`attempt`)."""
         ...
 
     def fail(self, seq: Sequence, message: str, code: str = "worker_died") -> None:
@@ -243,7 +249,10 @@ class Mover:
             self._svc.metrics.requests_lost.inc()
             log.warning(
                 "%s: no answer from worker %s after %.0fs and %s; sending it again",
-                seq.request_id, seq.worker_id, self._svc.delivery_check_s, lost,
+                seq.request_id,
+                seq.worker_id,
+                self._svc.delivery_check_s,
+                lost,
             )
             self.lost(seq, Loss.REQUEST_LOST)
 
@@ -306,7 +315,7 @@ class Mover:
         def waiting() -> bool:
             return (
                 seq.next_seq <= request.seq_base
-                and seq.attempt == request.attempt
+                and seq.attempt <= request.attempt  # (a hand-off's marker may not be back yet)
                 and not seq.finished
                 and not self._req.closed
                 and seq.move is not MoveState.MOVING_AGAIN
@@ -356,8 +365,9 @@ class Mover:
         decision.remaining = seq.decision.remaining  # what the sequence may still generate goes with it
         seq.decision = decision
         seq.moved_from = old
-        target = seq.attempt + 1
-        if not await self._mark(seq, target, old):
+        # A hand-off's request goes out before its marker is back (below): the attempt it claimed is taken.
+        target = max(seq.attempt, seq.claimed) + 1
+        if not await self._mark(seq, target, old, wait=kv_from is None):
             return None
         # Only now may the old worker be stopped: its abort would otherwise have ended the sequence. (It
         # may be alive after all, e.g. its heartbeats were late; it may even be the worker chosen now.) A
@@ -378,9 +388,14 @@ class Mover:
         log.log(
             logging.DEBUG if kv_from else logging.WARNING,
             "moving %s from worker %s to %s (attempt %d, %d token(s) so far)",
-            seq.request_id, old, decision.worker_id, target, len(generated),
+            seq.request_id,
+            old,
+            decision.worker_id,
+            target,
+            len(generated),
         )
-        request = req.request_for(seq, generated, kv_from)
+        request = req.request_for(seq, generated, kv_from, attempt=target)
+        seq.claimed = target  # from here the worker may run it, whether or not the send below succeeds
         try:
             # No cancel behind a timed-out copy: the next copy is the same attempt and must run (the worker
             # runs whichever arrives first and drops the other as a duplicate).
@@ -425,26 +440,36 @@ class Mover:
                 remaining = give_up - time.monotonic()
                 if exc.code != "no_workers" or remaining <= 0:
                     self._fail(
-                        seq, f"worker {old} stopped responding and no other worker can take over: {exc.message}"
+                        seq,
+                        f"worker {old} stopped responding and no other worker can take over: {exc.message}",
                     )
                     return None
                 await svc.pool.wait_refreshed(remaining)
 
-    async def _mark(self, seq: Sequence, target: int, old: str) -> bool:
-        """Write the marker of attempt `target` into the replies topic and wait until it came back.
+    async def _mark(self, seq: Sequence, target: int, old: str, *, wait: bool = True) -> bool:
+        """Write the marker of attempt `target` into the replies topic and (with `wait`) wait until it came back.
 
         From where it lands, only chunks of the new attempt count, for this stream and any replay of it.
         False if the move must stop here (failed, or to be started over).
+
+        A hand-off does not wait: its prefill worker's attempt ended with the token that started it, so no
+        chunk of the old attempt can follow the marker; and the marker is in the topic (acknowledged) before
+        the request goes out, so it precedes every chunk the decode worker writes. Waiting would add the
+        marker's round trip through the broker to every disaggregated sequence's gap after its first token.
         """
         req = self._req
         seq.switched.clear()
         try:
             await self._while_broker_away(
-                lambda: self._svc.dispatcher.note(req.reply_topic, marker(seq.request_id, target, seq.worker_id))
+                lambda: self._svc.dispatcher.note(
+                    req.reply_topic, marker(seq.request_id, target, seq.worker_id)
+                )
             )
         except APIError as exc:
             self._fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc!r}")
             return False
+        if not wait:
+            return True
         try:
             async with asyncio.timeout(MOVE_STALL_S):
                 while seq.attempt < target and not seq.finished:

@@ -57,6 +57,8 @@ class Sequence:
     finished: bool = False
     # The attempt whose chunks count (0 = first worker; +1 per migration) and what it has produced.
     attempt: int = 0
+    # The newest attempt a request went out for: ahead of `attempt` while a hand-off's marker is on its way.
+    claimed: int = 0
     token_ids: list[int] = field(default_factory=list)
     switched: asyncio.Event = field(default_factory=asyncio.Event)
     progressed: asyncio.Event = field(default_factory=asyncio.Event)  # set on every chunk that counts
@@ -141,7 +143,10 @@ class ClientStream:
             if self.on_lost is not None:
                 log.warning(
                     "%s: chunk %d of attempt %d arrived after chunk %d; moving the sequence",
-                    seq.request_id, chunk.seq, seq.attempt, seq.next_seq - 1,
+                    seq.request_id,
+                    chunk.seq,
+                    seq.attempt,
+                    seq.next_seq - 1,
                 )
                 self.on_lost(seq, Loss.CHUNK_LOST)
             return

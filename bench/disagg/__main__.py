@@ -8,14 +8,25 @@ import json
 import math
 import random
 import time
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.disagg.dynamo_pd import DynamoPD
+from bench.disagg.tiers import bounds, host_tier_verdicts, verdict_table
 from bench.routing.client import ReplayResult, replay
 from bench.routing.run import machine_info
 from bench.stack import FerryStack
-from bench.workload import TokenBank, WorkItem, Workload, read_trace, trace_workload
+from bench.workload import (
+    DEFAULT_TRACE,
+    TokenBank,
+    WorkItem,
+    Workload,
+    per_worker_hits,
+    read_trace,
+    trace_workload,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,16 +46,25 @@ def long_prompt_workload(n: int, rate: float, prompt_tokens: int, output_tokens:
     return Workload("long_prompt", items, desc)
 
 
-def systems(workers: int, ratios: list[tuple[int, int]], dynamo: bool) -> list[tuple[str, int, list[str]]]:
-    """(name, aggregated workers, extra `ferry up` flags) of each system: the same total of workers. A Dynamo
-    system's flags are its prefill and decode worker counts."""
-    out: list[tuple[str, int, list[str]]] = [(f"aggregated {workers}", workers, [])]
+def systems(
+    workers: int, ratios: list[tuple[int, int]], dynamo: bool, host_blocks: Sequence[int] = (0,)
+) -> list[tuple[str, int, list[str]]]:
+    """(name, aggregated workers, extra `ferry up` flags) of each system: the same total of workers, each Ferry
+    system once per host tier size (0: off). A Dynamo system's flags are its prefill and decode worker counts."""
+    base: list[tuple[str, int, list[str]]] = [(f"aggregated {workers}", workers, [])]
     for p, d in ratios:
         if p + d != workers:
             raise SystemExit(f"ratio {p}:{d} does not add up to --workers {workers}")
-        out.append((f"disagg {p}:{d}", 0, ["--prefill-workers", str(p), "--decode-workers", str(d)]))
+        base.append((f"disagg {p}:{d}", 0, ["--prefill-workers", str(p), "--decode-workers", str(d)]))
         if dynamo:
-            out.append((f"dynamo disagg {p}:{d}", 0, [str(p), str(d)]))
+            base.append((f"dynamo disagg {p}:{d}", 0, [str(p), str(d)]))
+    out: list[tuple[str, int, list[str]]] = []
+    for name, aggregated, flags in base:
+        for h in host_blocks:
+            if not h:
+                out.append((name, aggregated, flags))
+            elif not name.startswith("dynamo"):
+                out.append((f"{name}, host {h}", aggregated, [*flags, "--num-host-blocks", str(h)]))
     return out
 
 
@@ -75,12 +95,16 @@ def summary(r: ReplayResult, workers: int) -> dict[str, Any]:
     # The gap after the first token: a disaggregated sequence's hand-off to its decode worker.
     first_gap = [x.itls[0] * 1000 for x in ok if x.itls]
     tokens = sum(x.completion_tokens for x in ok)
+    prompt = sum(x.prompt_tokens for x in ok)
     return {
         "requests": len(r.results), "ok": len(ok), "not_sent": r.not_sent, "wall_s": r.wall_s,
         "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9),
         "itl_p50_ms": pct(itl, 0.5), "itl_p90_ms": pct(itl, 0.9), "itl_p99_ms": pct(itl, 0.99),
         "first_gap_p50_ms": pct(first_gap, 0.5), "first_gap_p90_ms": pct(first_gap, 0.9),
         "output_tok_s_per_worker": tokens / r.wall_s / workers if r.wall_s else None,
+        "cached_fraction": round(sum(x.cached_tokens for x in ok) / prompt, 4) if prompt else None,
+        # Requests per (first) worker: an uneven spread shows up here, not in the percentiles.
+        "per_worker": dict(sorted(Counter(x.worker or "?" for x in ok).items())),
     }  # fmt: skip
 
 
@@ -90,56 +114,96 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     def f(x: float | None) -> str:
         return "-" if x is None else f"{x:.1f}"
 
-    lines = ["| system | ok | TTFT p50 | TTFT p90 | ITL p50 | ITL p90 | ITL p99 | 1st gap p50 | out tok/s/worker |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    def pc(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
+    lines = ["| system | ok | cached | TTFT p50 | TTFT p90 | ITL p50 | ITL p90 | ITL p99 | 1st gap p50 | out tok/s/worker |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, s in rows.items():
         lines.append(
-            f"| {name} | {s['ok']}/{s['requests']} | {f(s['ttft_p50_ms'])} | {f(s['ttft_p90_ms'])} | "
+            f"| {name} | {s['ok']}/{s['requests']} | {pc(s.get('cached_fraction'))} | {f(s['ttft_p50_ms'])} | {f(s['ttft_p90_ms'])} | "
             f"{f(s['itl_p50_ms'])} | {f(s['itl_p90_ms'])} | {f(s.get('itl_p99_ms'))} | {f(s.get('first_gap_p50_ms'))} | "
             f"{f(s['output_tok_s_per_worker'])} |"
         )
     return "\n".join(lines)
 
 
+def routed_fraction(workload: Workload, r: ReplayResult) -> float | None:
+    """The cached fraction the router's choices allowed: every worker an infinite cache of what it was sent
+    (`per_worker_hits`, over the requests that finished). What a host tier can recover lies below it; the
+    rest of the gap to the infinite-cache bound was lost to routing, not to eviction."""
+    served = {x.index: x.worker for x in r.results if x.ok}
+    if not served or None in served.values():
+        return None
+    prompts = [it.prompt for it in workload.items]
+    hits = per_worker_hits(prompts, [served.get(it.index) for it in workload.items], 64)
+    total = sum(len(it.prompt) for it in workload.items if it.index in served)
+    return round(sum(hits) / total, 4) if total else None
+
+
+def make_workload(args: argparse.Namespace, rate: float, salt: str) -> Workload:
+    """The run's requests at `rate`, token ids drawn with `salt`."""
+    if args.workload == "trace":
+        return trace_workload(read_trace(args.trace), sample_every=args.sample_every, max_requests=args.requests,
+                              salt=salt).at_rate(rate)  # fmt: skip
+    return long_prompt_workload(args.requests, rate, args.prompt_tokens, args.output_tokens, salt)
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every system on the workload, one after the other."""
+    """Every system on the workload at every rate, one after the other."""
     ratios = (
         [(int(a), int(b)) for a, b in (r.split(":") for r in args.ratios.split(","))] if args.ratios else []
     )
+    host_blocks = [int(h) for h in args.host_blocks.split(",")]
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
     rows: dict[str, dict[str, Any]] = {}
+    allowed: dict[str, dict[str, float]] = {}
     workload: Workload | None = None
     machine = machine_info(REPO)  # load average at the start
-    for name, aggregated, extra in systems(args.workers, ratios, args.dynamo):
-        salt = f"disagg-{name}-{time.time()}"  # a fresh run: nothing cached from the previous system's
-        if args.workload == "trace":
-            workload = trace_workload(read_trace(), sample_every=args.sample_every, max_requests=args.requests,
-                                      salt=salt).at_rate(args.rate)  # fmt: skip
-        else:
-            workload = long_prompt_workload(
-                args.requests, args.rate, args.prompt_tokens, args.output_tokens, salt
-            )
-        flags = ["--num-blocks", str(args.num_blocks), "--disagg-min-uncached-tokens", str(args.min_uncached),
-                 *extra]  # fmt: skip
-        stack: FerryStack | DynamoPD
-        if name.startswith("dynamo"):
-            stack = await start_dynamo(args, int(extra[0]), int(extra[1]))
-        else:
-            stack = await FerryStack.start(aggregated, args.speedup, flags)
-        try:
-            await asyncio.sleep(args.settle_seconds)  # let heartbeats settle after the start burst
-            result = await replay(
-                stack.host, stack.port, args.model_name, workload.items, deadline_s=args.deadline_s
-            )
-        finally:
-            await stack.stop()
-        rows[name] = summary(result, args.workers)
-        print(f"{name}: {rows[name]}", flush=True)
+    for rate in rates:
+        # What the requests allow (the same for every system: only the token ids' salt differs).
+        prompts = [it.prompt for it in make_workload(args, rate, "bounds").items]
+        allowed[f"{rate:g}"] = bounds(prompts, args.workers, args.num_blocks, host_blocks, 64)
+        for name, aggregated, extra in systems(args.workers, ratios, args.dynamo, host_blocks):
+            if args.no_aggregated and not extra:
+                continue
+            salt = f"disagg-{name}-{time.time()}"  # a fresh run: nothing cached from the previous system's
+            workload = make_workload(args, rate, salt)
+            flags = ["--num-blocks", str(args.num_blocks), "--disagg-min-uncached-tokens", str(args.min_uncached),
+                     *extra]  # fmt: skip
+            stack: FerryStack | DynamoPD
+            if name.startswith("dynamo"):
+                stack = await start_dynamo(args, int(extra[0]), int(extra[1]))
+            else:
+                stack = await FerryStack.start(aggregated, args.speedup, flags)
+            try:
+                await asyncio.sleep(args.settle_seconds)  # let heartbeats settle after the start burst
+                result = await replay(
+                    stack.host, stack.port, args.model_name, workload.items, deadline_s=args.deadline_s
+                )
+            finally:
+                await stack.stop()
+            key = name if len(rates) == 1 else f"{name} @ {rate:g}/s"
+            h = int(extra[extra.index("--num-host-blocks") + 1]) if "--num-host-blocks" in extra else 0
+            base = name.split(", host ")[0]
+            bound = allowed[f"{rate:g}"]["infinite"]
+            rows[key] = summary(result, args.workers) | {"rate": rate, "base": base, "host_blocks": h,
+                                                          "bound": bound,
+                                                          "routed": routed_fraction(workload, result)}  # fmt: skip
+            if "--prefill-workers" in extra or name.startswith("dynamo"):
+                # A decode worker counts the KV it received as cached (as vLLM counts a connector's): not the
+                # cache's hits. The host tier is measured on aggregated workers.
+                rows[key]["cached_fraction"] = None
+            print(f"{key}: {rows[key]}", flush=True)
     return {
         "command": "python -m bench.disagg " + " ".join(args.argv),
         "machine": machine,
         "workload": workload.description if workload else {},
         "speedup": args.speedup,
+        "num_blocks": args.num_blocks,
+        "bounds": allowed,
         "systems": rows,
+        "host_tier": host_tier_verdicts(rows),
     }
 
 
@@ -151,11 +215,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workload", choices=["long", "trace"], default="long")
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--rate", type=float, default=6.0, help="mean requests per second")
+    p.add_argument(
+        "--rates", default="", help="several rates, comma-separated (each system at each); overrides --rate"
+    )
     p.add_argument("--prompt-tokens", type=int, default=3000)
     p.add_argument("--output-tokens", type=int, default=100)
+    p.add_argument(
+        "--trace", type=Path, default=DEFAULT_TRACE, help="the conversation trace (--workload trace)"
+    )
     p.add_argument("--sample-every", type=int, default=32, help="trace: keep 1 in this many conversations")
     p.add_argument("--speedup", type=float, default=1.0)
-    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--num-blocks", type=int, default=4096, help="device KV blocks per worker")
+    p.add_argument("--host-blocks", default="0",
+                   help="host tier sizes in blocks per worker, comma-separated: every Ferry system once per size (0: off)")  # fmt: skip
+    p.add_argument("--no-aggregated", action="store_true", help="only the disaggregated systems")
     p.add_argument("--min-uncached-tokens", dest="min_uncached", type=int, default=0)
     p.add_argument("--settle-seconds", type=float, default=2.0)
     p.add_argument("--deadline-s", type=float, default=300.0)
@@ -173,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     args.argv = argv if argv is not None else __import__("sys").argv[1:]
     results = asyncio.run(run(args))
     print(table(results["systems"]))
+    if results["host_tier"]:
+        print(verdict_table(results["host_tier"]))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.json}")

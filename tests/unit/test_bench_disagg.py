@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.disagg.__main__ import long_prompt_workload, pct, systems
+from bench.disagg.tiers import bounds, gap_closed, host_tier_verdicts
 
 
 def test_long_prompt_workload_has_unrelated_prompts_of_the_asked_length() -> None:
@@ -29,3 +30,45 @@ def test_nearest_rank_percentiles() -> None:
     xs = [float(i) for i in range(1, 11)]
     assert (pct(xs, 0.5), pct(xs, 0.9), pct(xs, 0.99)) == (5.0, 9.0, 10.0)
     assert pct([], 0.5) is None
+
+
+def test_every_ferry_system_runs_once_per_host_tier_size() -> None:
+    runs = systems(4, [(2, 2)], dynamo=True, host_blocks=(0, 512))
+    assert [r[0] for r in runs] == [
+        "aggregated 4", "aggregated 4, host 512", "disagg 2:2", "disagg 2:2, host 512", "dynamo disagg 2:2"
+    ]  # fmt: skip
+    assert runs[1][2] == ["--num-host-blocks", "512"]
+    assert runs[3][2][-2:] == ["--num-host-blocks", "512"]
+
+
+def test_gap_closed_is_the_share_of_the_way_to_the_bound() -> None:
+    assert gap_closed(0.2, 0.35, 0.5) == pytest.approx(0.5)
+    assert gap_closed(0.2, 0.2, 0.5) == 0.0
+    assert gap_closed(0.5, 0.5, 0.5) is None  # nothing to close
+
+
+def test_host_tier_verdicts_pair_each_run_with_its_tierless_twin() -> None:
+    def row(base: str, rate: float, h: int, cached: float) -> dict[str, object]:
+        return {"base": base, "rate": rate, "host_blocks": h, "cached_fraction": cached, "bound": 0.4,
+                "ttft_p90_ms": 100.0 + h}  # fmt: skip
+
+    rows = {
+        "a @ 1": row("a", 1.0, 0, 0.1), "a, host 8 @ 1": row("a", 1.0, 8, 0.3),
+        "a @ 2": row("a", 2.0, 0, 0.2), "a, host 8 @ 2": row("a", 2.0, 8, 0.25),
+    }  # fmt: skip
+    v = {x["system"]: x for x in host_tier_verdicts(rows)}
+    assert set(v) == {"a, host 8 @ 1", "a, host 8 @ 2"}
+    assert v["a, host 8 @ 1"]["gap_closed"] == pytest.approx(2 / 3, abs=1e-3)
+    assert v["a, host 8 @ 1"]["target_met"] and not v["a, host 8 @ 2"]["target_met"]
+    assert v["a, host 8 @ 1"]["ttft_p90_off_ms"] == 100.0
+
+
+def test_bounds_grow_with_the_cache_up_to_the_infinite_one() -> None:
+    # Two prompts of 4 blocks each, each asked 3 times in turn: one worker with a 4-block LRU cache holds one.
+    from bench.workload import TokenBank
+
+    bank = TokenBank(64, "t")
+    a, b = bank.prompt(range(0, 4), 256), bank.prompt(range(10, 14), 256)
+    b_ = bounds([a, b] * 3, workers=1, device_blocks=4, host_blocks=[4], block_size=64)
+    assert b_["lru_4"] == 0.0
+    assert b_["lru_8"] == b_["infinite"] == pytest.approx(4 * 3 * 64 / (6 * 256))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
+from schemas.kafka import Chunk, GenerateRequest, KVFrom
 from server.metrics import FrontendMetrics
 from server.migration import MOVE_STALLS, Mover, Services, transition
 from server.router import Decision
@@ -121,3 +123,58 @@ async def test_a_move_always_ends_in_place() -> None:
     svc.migration_limit = 3
     await asyncio.wait_for(m._migrate(s), 5)
     assert s.move is MoveState.IN_PLACE and req.failed
+
+
+class HandOffServices(FakeServices):
+    """Live workers p1, d1, d2; a broker that acknowledges markers but never delivers them back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.migration_limit = 3
+        self.request_timeout_s = 5.0
+        self.notes: list[Chunk] = []
+        self.sent: list[tuple[str, GenerateRequest]] = []
+        self.pool = SimpleNamespace(
+            live=lambda model: [SimpleNamespace(worker_id=w) for w in ("p1", "d1", "d2")]
+        )
+        self.router = SimpleNamespace(finished=lambda d: None, started=lambda d: None)
+        self.dispatcher = SimpleNamespace(note=self._note, submit=self._submit)
+
+    async def _note(self, topic: str, chunk: Chunk) -> None:
+        self.notes.append(chunk)
+
+    async def _submit(self, worker_id: str, request: GenerateRequest, cancel_on_timeout: bool = True) -> int:
+        self.sent.append((worker_id, request))
+        return len(self.sent)
+
+
+class HandOffRequest(FakeRequest):
+    model, reply_topic = "m", "replies"
+    prepared = SimpleNamespace(max_tokens=8)
+
+    def submitted(self, seq: Sequence) -> bool:
+        return True
+
+    def request_for(
+        self, seq: Sequence, generated: list[int] | None = None, kv_from: KVFrom | None = None,
+        attempt: int | None = None,
+    ) -> GenerateRequest:  # fmt: skip
+        return GenerateRequest(seq.request_id, "m", [1, 2, 3, 4], 8, "replies", generated_token_ids=generated or [],
+                               attempt=seq.attempt if attempt is None else attempt, kv_from=kv_from)  # fmt: skip
+
+
+async def test_a_hand_off_sends_the_decode_request_without_waiting_for_its_marker_to_come_back() -> None:
+    req, svc = HandOffRequest(), HandOffServices()
+    m = Mover(cast(Any, req), cast(Services, svc))
+    s = Sequence("r.0", 0, 0, Decision(worker_id="p1"), prompt_len=4, token_ids=[7])
+    s.handoff, s.kv_from = Decision(worker_id="d1"), KVFrom("p1", 4)
+    transition(s, MoveState.MOVING)
+    # The broker never delivers the marker back: waiting for it would stall here for MOVE_STALL_S.
+    await asyncio.wait_for(m._move(s), 2)
+    assert [c.attempt for c in svc.notes] == [1]
+    assert [(w, r.attempt, r.generated_token_ids) for w, r in svc.sent] == [("d1", 1, [7])]
+    assert (s.attempt, s.claimed, s.worker_id) == (0, 1, "d1")  # its marker is still on its way
+    # Moved again before that marker came back: the next attempt is a new one, not attempt 1 a second time.
+    s.handoff, s.kv_from = Decision(worker_id="d2"), KVFrom("p1", 4)
+    await asyncio.wait_for(m._move(s), 2)
+    assert [c.attempt for c in svc.notes] == [1, 2] and svc.sent[-1][1].attempt == 2

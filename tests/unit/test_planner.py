@@ -234,3 +234,39 @@ async def test_kubernetes_actuator_patches_the_deployment_scale() -> None:
     finally:
         await act.close()
         await asyncio.to_thread(server.shutdown)
+
+
+async def test_a_planner_per_pool_counts_its_pool_and_the_latency_it_answers_for() -> None:
+    """With prefill and decode pools, each planner sees only its workers; prefill is sized by TTFT, decode by ITL."""
+    from types import SimpleNamespace
+
+    import msgspec
+
+    from planner.latency import Latency
+    from planner.loop import Planner
+    from planner.metrics import PlannerMetrics
+    from schemas.status import WorkerStatus
+
+    def worker(wid: str, role: Any, running: int) -> WorkerStatus:
+        return WorkerStatus(wid, "m", "sim", 64, 100, 8192, 0.0, 0.0, running=running, role=role)
+
+    fleet = [worker("p1", "prefill", 1), worker("p2", "prefill", 2), worker("d1", "decode", 10),
+             worker("b1", "both", 20), msgspec.structs.replace(worker("x1", "prefill", 50), model="other")]  # fmt: skip
+
+    class Registry:
+        async def view(self) -> Any:
+            return SimpleNamespace(live=fleet)
+
+    class Source:
+        async def read(self, now: float) -> Latency:
+            return Latency(ttft_p90_s=0.8, itl_p90_s=0.04, arrival_rate=3.0)
+
+    def planner(pool: Any) -> Planner:
+        return Planner(CFG, "m", Registry(), Source(), None, GaugeOnly(), PlannerMetrics(), pool=pool)  # type: ignore[arg-type]
+
+    seen = {pool: await planner(pool).observe(0.0) for pool in ("all", "prefill", "decode")}
+    assert [(o.ready, o.running) for o in seen.values()] == [(4, 33), (2, 3), (2, 30)]
+    assert (seen["all"].ttft_p90_s, seen["all"].itl_p90_s) == (0.8, 0.04)
+    assert (seen["prefill"].ttft_p90_s, seen["prefill"].itl_p90_s) == (0.8, None)
+    assert (seen["decode"].ttft_p90_s, seen["decode"].itl_p90_s) == (None, 0.04)
+    assert {o.arrival_rate for o in seen.values()} == {3.0}
