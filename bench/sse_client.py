@@ -209,18 +209,28 @@ class _Protocol(asyncio.Protocol):
             self.transport.close()
 
 
+# A connection idle this long is not reused: uvicorn closes one idle for 5 s (its default keep-alive), and
+# a request written just as the server's close is on its way is reset (httpx's keepalive_expiry is 5 s too).
+KEEPALIVE_EXPIRY_S = 4.0
+
+
 class Connection:
     """One keep-alive HTTP/1.1 connection to `host:port` that sends one request at a time."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, keepalive_expiry_s: float = KEEPALIVE_EXPIRY_S) -> None:
         self.host = host
         self.port = port
+        self.keepalive_expiry_s = keepalive_expiry_s
         self._proto: _Protocol | None = None
+        self._idle_since = 0.0  # perf_counter() when the last response ended
         # What a request that failed or was cancelled midway had received (its TTFT may be known).
         self.partial: Response | None = None
 
     async def _ensure(self) -> _Protocol:
         proto = self._proto
+        if proto is not None and perf_counter() - self._idle_since > self.keepalive_expiry_s:
+            self.close()
+            proto = None
         if proto is None or proto.lost is not None or proto.transport is None or proto.transport.is_closing():
             loop = asyncio.get_running_loop()
             _transport, proto = await loop.create_connection(_Protocol, self.host, self.port)
@@ -240,11 +250,13 @@ class Connection:
         ).encode("latin-1") + body
         self.partial = None
         try:
-            return await asyncio.wait_for(proto.begin(request), timeout_s)
+            response = await asyncio.wait_for(proto.begin(request), timeout_s)
         except BaseException:
             self.partial = proto.snapshot()
             self.close()  # the connection is in an unknown state; start afresh next time
             raise
+        self._idle_since = perf_counter()
+        return response
 
     def close(self) -> None:
         """Drop the connection."""
