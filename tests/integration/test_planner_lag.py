@@ -14,6 +14,19 @@ from schemas.names import pool_group, pool_topic, request_topic
 pytestmark = pytest.mark.integration
 
 
+async def _fill(kafka: str, waiting: dict[str, int], partitions: int) -> None:
+    """Create each topic and write its count of records to its last partition."""
+    await ensure_topics(kafka, dict.fromkeys(waiting, partitions))
+    producer = AIOKafkaProducer(bootstrap_servers=kafka)
+    await producer.start()
+    try:
+        for topic, n in waiting.items():
+            for _ in range(n):
+                await producer.send_and_wait(topic, b"r", partition=partitions - 1)
+    finally:
+        await producer.stop()
+
+
 async def test_a_workers_lag_spans_its_rolled_request_topics(kafka: str) -> None:
     wid, other = f"w-{uuid.uuid4().hex[:6]}", f"x-{uuid.uuid4().hex[:6]}"
     waiting = {
@@ -22,15 +35,7 @@ async def test_a_workers_lag_spans_its_rolled_request_topics(kafka: str) -> None
         request_topic(wid, 8): 3,
         request_topic(other, 7): 4,
     }
-    await ensure_topics(kafka, dict.fromkeys(waiting, 1))
-    producer = AIOKafkaProducer(bootstrap_servers=kafka)
-    await producer.start()
-    try:
-        for topic, n in waiting.items():
-            for _ in range(n):
-                await producer.send_and_wait(topic, b"r", partition=0)
-    finally:
-        await producer.stop()
+    await _fill(kafka, waiting, partitions=1)
     lag = KafkaLag(kafka)
     await lag.start()
     try:
@@ -48,15 +53,7 @@ async def test_the_pool_lag_spans_every_pool_epoch_and_counts_commits(kafka: str
         pool_topic(model, 8): 3,
         pool_topic(f"{model}x", 7): 4,
     }
-    await ensure_topics(kafka, dict.fromkeys(waiting, 2))
-    producer = AIOKafkaProducer(bootstrap_servers=kafka)
-    await producer.start()
-    try:
-        for topic, n in waiting.items():
-            for _ in range(n):
-                await producer.send_and_wait(topic, b"item", partition=1)
-    finally:
-        await producer.stop()
+    await _fill(kafka, waiting, partitions=2)
     consumer = AIOKafkaConsumer(bootstrap_servers=kafka, group_id=pool_group(model), enable_auto_commit=False)
     await consumer.start()
     try:
