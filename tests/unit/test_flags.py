@@ -70,41 +70,30 @@ def test_ferry_up_passes_each_child_the_flags_given_for_it(monkeypatch: pytest.M
     assert load(WorkerSettings, stack.worker_flags).speedup == 20.0
 
 
-def test_ferry_up_rolls_request_topics_on_its_embedded_broker_unless_told_otherwise(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("field", "flag", "default"),
+    [("request_roll_s", "--request-roll-s", 60.0), ("pool_roll_s", "--pool-roll-s", 3600.0)],
+)
+def test_ferry_up_rolls_topics_on_its_embedded_broker_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch, field: str, flag: str, default: float
 ) -> None:
+    env = f"FERRY_{field.upper()}"
     monkeypatch.delenv("FERRY_KAFKA", raising=False)
-    monkeypatch.delenv("FERRY_REQUEST_ROLL_S", raising=False)
+    monkeypatch.delenv(env, raising=False)
 
     def rolls(argv: list[str]) -> tuple[float, float]:
         stack = load_stack(argv)
-        fe = load(FrontendSettings, stack.frontend_flags).request_roll_s
-        return fe, load(WorkerSettings, stack.worker_flags).request_roll_s
+        fe = getattr(load(FrontendSettings, stack.frontend_flags), field)
+        return fe, getattr(load(WorkerSettings, stack.worker_flags), field)
 
-    assert rolls([]) == (60.0, 60.0)  # the embedded broker never trims a topic
-    assert rolls(["--request-roll-s", "0"]) == (0.0, 0.0)  # the operator's choice stands
-    assert rolls(["--request-roll-s", "5"]) == (5.0, 5.0)
+    assert rolls([]) == (default, default)  # the embedded broker never trims a topic
+    assert rolls([flag, "0"]) == (0.0, 0.0)  # the operator's choice stands
+    assert rolls([flag, "5"]) == (5.0, 5.0)
     # A Kafka of the operator's: its retention bounds the topics.
     assert rolls(["--kafka", "k:9092"]) == (0.0, 0.0)
-    monkeypatch.setenv("FERRY_REQUEST_ROLL_S", "0")  # set as a variable: the children read it themselves
+    monkeypatch.setenv(env, "0")  # set as a variable: the children read it themselves
     stack = load_stack([])
-    assert "--request-roll-s" not in stack.frontend_flags + stack.worker_flags
-
-
-def test_ferry_up_rolls_pool_topics_hourly_on_its_embedded_broker_unless_told_otherwise(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv("FERRY_KAFKA", raising=False)
-    monkeypatch.delenv("FERRY_POOL_ROLL_S", raising=False)
-
-    def rolls(argv: list[str]) -> tuple[float, float]:
-        stack = load_stack(argv)
-        fe = load(FrontendSettings, stack.frontend_flags).pool_roll_s
-        return fe, load(WorkerSettings, stack.worker_flags).pool_roll_s
-
-    assert rolls([]) == (3600.0, 3600.0)  # the embedded broker never trims a topic
-    assert rolls(["--pool-roll-s", "0"]) == (0.0, 0.0)  # the operator's choice stands
-    assert rolls(["--kafka", "k:9092"]) == (0.0, 0.0)  # a Kafka of the operator's: its retention bounds them
+    assert flag not in stack.frontend_flags + stack.worker_flags
 
 
 def test_ferry_up_starts_prefill_and_decode_pools_with_their_roles() -> None:
