@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 MODEL = "SmolLM2-135M-Instruct"
 EXAMPLES = 25
 SEED = 20260501
-TIME_BUDGET_S = 60
+TIME_BUDGET_S = 30
 
 
 async def test_openapi_document_describes_the_api(kafka: str, redis_url: str, model_path: Path) -> None:
