@@ -33,6 +33,7 @@ from bus.reader import Batch, Hooks, Options, Poll, Reader
 from bus.topics import delete_topics, ensure_topics, existing_topics, retention
 from kvstore.kv_index import KVIndex
 from kvstore.kv_mirror import KVMirror, WorkerBlocks
+from kvstore.lease import lease_script
 from schemas.kv_events import KVLogRecord
 from schemas.names import RedisKeys, kv_log_topic
 from schemas.settings import FrontendSettings
@@ -41,12 +42,6 @@ from server.metrics import FrontendMetrics
 
 log = logging.getLogger("ferry.frontend")
 
-# Renew the lease if it is ours, else take it if nobody holds it; 1 if we hold it now.
-_LEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
-return 0
-"""
 # Epochs further back than this are looked for when deleting old ones (an older one outlived every frontend).
 SWEEP_BACK = 12
 
@@ -77,7 +72,7 @@ class KVIndexer:
             Options(fetch_wait_ms=100, poll=Poll(timeout_ms=500, max_records=2000), watch_reset=True),
             Hooks(handle=self._handle, before_poll=self._before_poll, after_poll=self._after_poll),
         )  # fmt: skip
-        self._lease = redis.register_script(_LEASE)
+        self._lease = lease_script(redis)
         self._epoch: int | None = None  # the epoch the reader is positioned for
         self._swept: int | None = None  # the epoch whose old topics were last deleted
         self.caught_up = False  # the reader reached the log's end at least once

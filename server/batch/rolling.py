@@ -19,17 +19,11 @@ from redis.asyncio import Redis
 
 from bus.epochs import EpochTopics, read_up
 from bus.topics import delete_topics, ensure_topics, list_topics, retention
+from kvstore.lease import lease_script
 from schemas.names import RedisKeys, batch_results_group, batch_results_topic, pool_group, pool_topic
 from schemas.settings import FrontendSettings
 
 log = logging.getLogger("ferry.batch")
-
-# Renew the lease if it is ours, else take it if nobody holds it; 1 if we hold it now.
-_LEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
-return 0
-"""
 
 
 class BatchTopics:
@@ -45,7 +39,7 @@ class BatchTopics:
         self.configs = retention(s.kafka_batch_retention_s, s.kafka_retention_bytes)
         self._redis = redis
         self._lease_key = RedisKeys(s.redis_prefix).batch_roll_lease(self.model)
-        self._lease = redis.register_script(_LEASE)
+        self._lease = lease_script(redis)
         self._owner = s.frontend_id
         self._created: set[str] = set()  # topics this frontend created (or found) already
         self._create = asyncio.Lock()
