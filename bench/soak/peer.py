@@ -67,6 +67,7 @@ async def run_peer(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     print(f"{PEER}: starting vLLM's OpenAI server ...", file=sys.stderr)
     srv = await start_vllm(model_dir, START_TIMEOUT_S, PEER_FLAGS, PEER_ENV)
     assert srv.child is not None
+    log.startup(PEER, srv.child.tail)
     srv.child.log = log  # type: ignore[assignment]  # a TextIO in all but name
     descendants: list[psutil.Process] = []
     with contextlib.suppress(psutil.Error):

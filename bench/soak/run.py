@@ -53,6 +53,7 @@ async def run_ferry(args: argparse.Namespace, machine: dict[str, Any]) -> tuple[
         os.environ["FERRY_RESUME_TTL_S"] = str(args.resume_ttl_s)
     log = StampedLog(args.log)
     stack = await FerryStack.start(args.workers, args.speedup, extra, timeout_s=600.0)
+    log.startup("ferry-up", stack.child.tail)
     stack.child.log = log  # type: ignore[assignment]  # a TextIO in all but name
     print(f"ferry up at {stack.url}; processes {stack.pids}; log {args.log}", file=sys.stderr)
     try:

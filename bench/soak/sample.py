@@ -25,6 +25,10 @@ class StampedLog(io.TextIOBase):
         self.lines: list[tuple[float, str]] = []
         self._fh = open(path, "w", buffering=1)  # line by line: a killed run keeps its log
 
+    def startup(self, name: str, lines: list[str]) -> None:
+        """The last lines a system printed while starting (engine settings among them), before the log was attached."""
+        self.write("".join(f"[{name}] {line}\n" for line in lines))
+
     def write(self, s: str) -> int:
         """Keep every line with its time."""
         t = time.perf_counter() - self.t0
