@@ -40,6 +40,8 @@ async def soak(
     _say(target, f"soak: {plan.desc} for {args.minutes:g} min ...")
     t0 = time.perf_counter()
     log.t0 = t0
+    # Lines from before the load are stamped since the system started: they would overlap the load's times.
+    before = len(log.lines)
     sampler = Sampler(processes(target.pids), t0)
     stop = asyncio.Event()
     load = Load(target, body, t0, args.max_requests)
@@ -85,7 +87,7 @@ async def soak(
         "rss_slope_mb_per_min": slopes,
         "cpu_percent_mean": sampler.cpu_mean(),
         "targets": targets(rows, slopes, win),
-        "stalls": stalls(load.outcomes, log.lines, args.stall_ms / 1000.0),
+        "stalls": stalls(load.outcomes, log.lines[before:], args.stall_ms / 1000.0),
         "log": str(log.path),
         "samples": sampler.samples,
         "profiles": profiles or None,

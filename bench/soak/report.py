@@ -96,8 +96,8 @@ def cpu_per_request(samples: list[dict[str, Any]], rows: list[dict[str, Any]]) -
         prev_t = s["t"]
     out: list[dict[str, float]] = []
     for m, row in enumerate(rows):
-        n = max(row["requests"], 1)
-        d = {role: round(1000.0 * v / n, 2) for role, v in sorted(cpu_s[m].items())}
+        n = row["requests"]  # a minute in which no request ended has no CPU per request
+        d = {role: round(1000.0 * v / n, 2) for role, v in sorted(cpu_s[m].items())} if n else {}
         if load[m]:
             d["loadavg_1m"] = round(float(np.mean(load[m])), 2)
         out.append(d)
@@ -275,7 +275,7 @@ def plot(docs: dict[str, dict[str, Any]], path: Path) -> bool:
                 for s in doc["samples"]
                 if role in s["processes"]
             ]
-            ax[2].plot([p[0] for p in pts], [p[1] for p in pts], label=f"{prefix}{role}",
+            ax[2].plot([p[0] for p in pts], [p[1] for p in pts], label=role if role == system else f"{prefix}{role}",
                        ls="-" if k == 0 else "--")  # fmt: skip
     ax[0].set_ylabel("tokens/s (per minute)")
     ax[0].set_ylim(bottom=0)

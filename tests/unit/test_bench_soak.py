@@ -88,6 +88,8 @@ def test_cpu_per_request_divides_each_minutes_cpu_by_its_requests() -> None:
     assert got[0]["frontend"] == round(1000.0 * 0.5 * 60 / 90, 2)
     assert got[1]["frontend"] == round(1000.0 * 0.5 * 60 / 60, 2)
     assert got[1]["loadavg_1m"] == 2.0
+    idle = cpu_per_request(samples, per_minute([], 2))  # no request ended: no CPU per request either
+    assert idle == [{"loadavg_1m": 2.0}, {"loadavg_1m": 2.0}]
 
 
 def test_cpu_per_request_goes_into_each_minutes_row() -> None:
