@@ -13,6 +13,8 @@ minute's; the least-squares RSS slope of every process after the settling time <
 requests. Writes JSON and a PNG plot under bench/results/ and prints a summary.
 
 `--engine vllm` runs the real engine (the default model, `make model`) with one worker at a few streams
-(default 15 minutes, 4 streams). `--profile-at 1,9` samples the frontend and the first worker with py-spy
+(default 15 minutes, 4 streams); with `--peer vllm`, then the same soak (client, load, minutes, sampling,
+engine settings) against vLLM's own OpenAI server, written next to Ferry's as `<name>-peer.json` and shown
+side by side (bench/soak/peer.py). `--profile-at 1,9` samples the frontend and the first worker with py-spy
 (`dump`, then `record --nonblocking`) at those minutes.
 """

