@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
 import os
+import signal
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 
-from launch.services import start_broker, start_redis
+from launch.services import Child, start_broker, start_redis
 from schemas.settings import DEFAULT_MODEL_NAME
 from server.model_files import ModelFiles
 from tests.harness import Harness, harness
@@ -42,6 +44,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         fn = getattr(item, "obj", None)
         if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(fn):
             item.obj = _bounded(fn, limit_s)
+
+
+@pytest.fixture(autouse=True)
+def no_child_outlives_its_test(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Kill, with its process group, every child process a test started and left running (a failed assertion
+    skipped its clean-up): a sim worker left behind takes a tenth of a core from the rest of the run."""
+    spawned: list[Child] = []
+    spawn = Child.spawn.__func__  # type: ignore[attr-defined]
+
+    async def tracked(cls: type[Child], *args: Any, **kwargs: Any) -> Child:
+        child: Child = await spawn(cls, *args, **kwargs)
+        spawned.append(child)
+        return child
+
+    monkeypatch.setattr(Child, "spawn", classmethod(tracked))
+    yield
+    for child in spawned:
+        if child.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,11 @@ class RunningWorker:
         self.shutdown.set()
         return await self.task
 
+    async def halt(self) -> None:
+        """Stop without the drain: its clean-up (inbox, pool group, producer, engine) still runs."""
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
 
 # The default model's own template cannot show tools: tests serve it with the shipped hermes template, as
 # `make run` does (plain chats render the same).
@@ -103,7 +108,11 @@ class Harness:
         return fe, f"http://127.0.0.1:{port}"
 
     async def close(self) -> None:
-        """Stop every frontend, then every worker (those of one kind together, as separate processes would)."""
+        """Stop every frontend, then every worker (those of one kind together, as separate processes would).
+
+        Workers halt without their drain: no test looks at them after this, and a drain waits out its inbox's
+        last poll (a second), which over the suite's harnesses adds minutes.
+        """
 
         async def bounded(stop: Awaitable[Any]) -> None:
             with contextlib.suppress(Exception):
@@ -112,7 +121,7 @@ class Harness:
         for server, _task in self._servers:
             server.should_exit = True
         await asyncio.gather(*(bounded(task) for _server, task in self._servers))
-        await asyncio.gather(*(bounded(w.stop()) for w in self.workers if not w.task.done()))
+        await asyncio.gather(*(bounded(w.halt()) for w in self.workers if not w.task.done()))
 
 
 async def worker_process(
