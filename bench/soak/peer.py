@@ -18,14 +18,8 @@ import psutil
 from bench.soak.load import Plan, Target
 from bench.soak.phase import soak
 from bench.soak.sample import StampedLog
-from bench.vllm.run import (
-    BLOCK_SIZE,
-    MAX_MODEL_LEN,
-    MAX_NUM_BATCHED_TOKENS,
-    MAX_NUM_SEQS,
-    VLLM_ENV,
-    start_vllm,
-)
+from bench.vllm.run import BLOCK_SIZE, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, start_vllm
+from bench.vllm.run import ENGINE_SETTINGS as VLLM_ENGINE
 
 PEER = "vllm-server"
 # `ferry up` with one vLLM worker; fp32, eager mode, prefix caching and a 1 GiB KV cache are its CPU defaults.
@@ -38,18 +32,7 @@ FERRY_VLLM_FLAGS = [
 PEER_FLAGS = ["--scheduling-policy", "priority"]
 PEER_ENV = {"TORCHDYNAMO_DISABLE": "1"}
 # What both systems' engines run with, for the results.
-ENGINE_SETTINGS: dict[str, Any] = {
-    "dtype": "float32",
-    "enforce_eager": True,
-    "block_size": BLOCK_SIZE,
-    "max_model_len": MAX_MODEL_LEN,
-    "max_num_seqs": MAX_NUM_SEQS,
-    "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-    "enable_prefix_caching": True,
-    "scheduling_policy": "priority",
-    **VLLM_ENV,
-    **PEER_ENV,
-}
+ENGINE_SETTINGS: dict[str, Any] = {**VLLM_ENGINE, "scheduling_policy": "priority", **PEER_ENV}
 START_TIMEOUT_S = 600.0
 
 

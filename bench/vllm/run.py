@@ -46,6 +46,18 @@ BLOCK_SIZE = 32
 MAX_MODEL_LEN = 2048
 MAX_NUM_SEQS = 256
 MAX_NUM_BATCHED_TOKENS = 8192
+# What the engines of both systems run with, for the results (the server's flags in start_vllm, Ferry's
+# worker's from its settings and workers/vllm_config.py).
+ENGINE_SETTINGS: dict[str, Any] = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "block_size": BLOCK_SIZE,
+    "max_model_len": MAX_MODEL_LEN,
+    "max_num_seqs": MAX_NUM_SEQS,
+    "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+    "enable_prefix_caching": True,
+    **VLLM_ENV,
+}
 
 
 @dataclass
@@ -346,15 +358,7 @@ def result_of(
         "cell_seconds": args.cell_seconds,
         "max_tokens": args.max_tokens,
         "concurrency": levels,
-        "engine": {
-            "dtype": "float32",
-            "enforce_eager": True,
-            "block_size": BLOCK_SIZE,
-            "max_model_len": MAX_MODEL_LEN,
-            "max_num_seqs": MAX_NUM_SEQS,
-            "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-            **VLLM_ENV,
-        },
+        "engine": ENGINE_SETTINGS,
         "interleaved": "each round runs every level on both systems back to back, alternating the order",
     }
     result["machine"] = {**machine, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]}
