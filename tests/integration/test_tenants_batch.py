@@ -101,7 +101,14 @@ async def test_a_tenants_batch_is_its_usage_and_counts_against_its_tokens_per_mi
         }  # fmt: skip
         assert expected["cached_tokens"] > 0
 
-        async def published() -> bool:
-            return summarize(await read_usage(kafka, since), "tenant").get("batcher") == expected
+        seen: list[object] = []
 
-        await until(published, 20, period_s=0.5)
+        async def published() -> bool:
+            records = await read_usage(kafka, since)
+            seen[:] = [summarize(records, "tenant").get("batcher"), records]
+            return seen[0] == expected
+
+        try:
+            await until(published, 20, period_s=0.5)
+        except TimeoutError:
+            raise AssertionError(f"usage topic: {seen[0]} != {expected}; records: {seen[1]}") from None
