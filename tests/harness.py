@@ -38,7 +38,12 @@ class RunningWorker:
         return await self.task
 
     async def halt(self) -> None:
-        """Stop without the drain: its clean-up (inbox, pool group, producer, engine) still runs."""
+        """Stop without the drain: its clean-up (inbox, producer, engine) still runs, and the batch items it
+        finished are committed before it leaves its pool group, so the next member of the group (a later
+        test's worker on the same model) does not run them again."""
+        if self.worker.pool is not None:
+            with contextlib.suppress(Exception):
+                await self.worker.pool.close()
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
 
