@@ -63,7 +63,10 @@ async def soak(
         if load.stack_exited_at is not None:
             _say(target, f"exited {load.stack_exited_at:.0f} s into the load; see {log.path}")
         for fut in profiling:
-            fut.cancel() if not fut.done() else profiles.update(fut.result())
+            if fut.done():
+                profiles.update(fut.result())
+            else:
+                fut.cancel()
         stop.set()
         await helpers[0]
     finally:
