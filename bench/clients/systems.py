@@ -21,6 +21,7 @@ from typing import Any
 from bench.stack import FerryStack, tree_cpu_seconds
 from launch.services import Child, free_port
 from schemas.settings import DEFAULT_MODEL_NAME
+from workers.cpu_env import CPU_ENGINE_ENV
 
 FERRY_SIM = "ferry-sim"
 FERRY_VLLM = "ferry-vllm"
@@ -69,8 +70,8 @@ def engine_settings(block_size: int, max_num_seqs: int) -> dict[str, Any]:
         "seed": cpu["seed"],
         "enable_prefix_caching": True,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        # Ferry's worker turns torch.compile off on CPU (workers/vllm_config.cpu_torch_compile_off).
-        "TORCHDYNAMO_DISABLE": "1",
+        # What Ferry's worker sets for its EngineCore on CPU (torch.compile off, passive OpenMP threads).
+        **CPU_ENGINE_ENV,
     }
 
 
@@ -118,7 +119,7 @@ async def start_ferry(name: str, extra: list[str], timeout_s: float) -> Server:
 async def start_vllm_server(engine: dict[str, Any], model_dir: Path, timeout_s: float) -> Server:
     """vLLM's own server; ready when uvicorn says the application started."""
     port = free_port()
-    env = {k: engine[k] for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "TORCHDYNAMO_DISABLE")}
+    env = {k: engine[k] for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", *CPU_ENGINE_ENV)}
     child = await Child.spawn(VLLM_SERVER, vllm_server_argv(engine, model_dir, port), echo=False, env=env)
     try:
         await child.wait_for_line(lambda line: "Application startup complete" in line, timeout_s)

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import uuid
+from typing import TYPE_CHECKING
 
 import httpx
 import msgspec
@@ -22,6 +23,10 @@ from schemas.settings import DEFAULT_MODEL_NAME as BASE
 from server.model_files import ModelFiles
 from tests.harness import sse_events
 from tests.vllm.stack import VllmStack
+from workers.cpu_env import CPU_ENGINE_ENV, cpu_engine_env
+
+if TYPE_CHECKING:
+    from workers.vllm_engine import VLLMEngine
 
 pytestmark = pytest.mark.vllm
 
@@ -135,3 +140,19 @@ async def test_engine_death_takes_the_worker_out(vllm_stack: VllmStack) -> None:
     finally:
         await consumer.stop()
         await producer.stop()
+
+
+async def test_the_engine_core_is_spawned_with_the_cpu_environment(vllm_engine: VLLMEngine) -> None:
+    # vLLM spawns its EngineCore on CPU (vllm/platforms/cpu.py), so it starts with this process's environment
+    # as the engine's start left it. (Its /proc environ is no witness: setproctitle overwrites it.)
+    assert vllm_engine.total_blocks > 0
+    assert {k: os.environ.get(k) for k in CPU_ENGINE_ENV} == CPU_ENGINE_ENV
+    assert os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn"
+
+
+def test_an_operators_own_value_wins_over_the_cpu_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    cpu_engine_env()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert os.environ["TORCHDYNAMO_DISABLE"] == "1"
