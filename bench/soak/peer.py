@@ -20,7 +20,6 @@ from bench.soak.phase import soak
 from bench.soak.sample import StampedLog
 from bench.vllm.run import BLOCK_SIZE, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, start_vllm
 from bench.vllm.run import ENGINE_SETTINGS as VLLM_ENGINE
-from workers.cpu_env import CPU_ENGINE_ENV
 
 PEER = "vllm-server"
 # `ferry up` with one vLLM worker; fp32, eager mode, prefix caching and a 1 GiB KV cache are its CPU defaults.
@@ -28,12 +27,11 @@ FERRY_VLLM_FLAGS = [
     "--engine", "vllm", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
     "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
 ]  # fmt: skip
-# On top of bench.vllm's server flags: Ferry's worker schedules by priority (workers/vllm_config.py) and sets
-# its EngineCore's environment on CPU (workers/cpu_env.py); vLLM's server would do neither.
+# On top of bench.vllm's server settings: Ferry's worker schedules by priority (workers/vllm_config.py), which
+# vLLM's server would not.
 PEER_FLAGS = ["--scheduling-policy", "priority"]
-PEER_ENV = dict(CPU_ENGINE_ENV)
 # What both systems' engines run with, for the results.
-ENGINE_SETTINGS: dict[str, Any] = {**VLLM_ENGINE, "scheduling_policy": "priority", **PEER_ENV}
+ENGINE_SETTINGS: dict[str, Any] = {**VLLM_ENGINE, "scheduling_policy": "priority"}
 START_TIMEOUT_S = 600.0
 
 
@@ -49,7 +47,7 @@ async def run_peer(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     model_dir = prepare_model(default_model_dir())
     log = StampedLog(peer_path(args.out, ".log"))
     print(f"{PEER}: starting vLLM's OpenAI server ...", file=sys.stderr)
-    srv = await start_vllm(model_dir, START_TIMEOUT_S, PEER_FLAGS, PEER_ENV)
+    srv = await start_vllm(model_dir, START_TIMEOUT_S, PEER_FLAGS)
     assert srv.child is not None
     log.startup(PEER, srv.child.tail)
     srv.child.log = log  # type: ignore[assignment]  # a TextIO in all but name

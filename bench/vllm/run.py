@@ -35,6 +35,7 @@ from bench.sse_client import Connection, StreamStats, stream_stats
 from bench.stack import FerryStack, tree_cpu_seconds
 from launch.services import Child, free_port
 from schemas.settings import DEFAULT_MODEL_NAME
+from workers.cpu_env import CPU_ENGINE_ENV
 
 TARGET_THROUGHPUT_RATIO = 0.9  # Ferry's tokens/s >= 0.9 x vLLM's own server (issue 4, item 7)
 TARGET_ADDED_TTFT_MS = 10.0  # Ferry's TTFT p50 - vLLM's TTFT p50
@@ -47,7 +48,8 @@ MAX_MODEL_LEN = 2048
 MAX_NUM_SEQS = 256
 MAX_NUM_BATCHED_TOKENS = 8192
 # What the engines of both systems run with, for the results (the server's flags in start_vllm, Ferry's
-# worker's from its settings and workers/vllm_config.py).
+# worker's from its settings, workers/vllm_config.py and workers/cpu_env.py, whose environment the server gets
+# too).
 ENGINE_SETTINGS: dict[str, Any] = {
     "dtype": "float32",
     "enforce_eager": True,
@@ -57,6 +59,7 @@ ENGINE_SETTINGS: dict[str, Any] = {
     "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
     "enable_prefix_caching": True,
     **VLLM_ENV,
+    **CPU_ENGINE_ENV,
 }
 
 
@@ -102,7 +105,9 @@ async def start_vllm(
         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
         *extra,
     ]  # fmt: skip
-    child = await Child.spawn("vllm-server", argv, echo=False, env={**VLLM_ENV, **(env or {})})
+    child = await Child.spawn(
+        "vllm-server", argv, echo=False, env={**VLLM_ENV, **CPU_ENGINE_ENV, **(env or {})}
+    )
     try:
         await child.wait_for_line(lambda line: "Application startup complete" in line, timeout_s)
     except BaseException:

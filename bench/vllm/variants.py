@@ -3,8 +3,8 @@
 `python -m bench.vllm.variants --variant ferry --variant "ferry GOMP_SPINCOUNT=300000" --variant ferry`
 
 A variant is a system (`ferry`: `ferry up` with one vLLM worker; `vllm`: vLLM's own OpenAI server) and the
-environment variables it starts with on top of the engine settings both systems share (bench.soak.peer:
-Ferry's worker's CPU environment, workers/cpu_env.py, given to vLLM's server too). Each variant runs on a
+environment variables it starts with on top of the engine settings both systems share (bench.soak.peer; the
+CPU environment Ferry's worker gives its EngineCore, workers/cpu_env.py, is given to vLLM's server too). Each variant runs on a
 freshly started system: `--streams` clients stream chat completions back to back (100-word prompts,
 `--max-tokens` with `ignore_eos`) for `--warmup-s`, then for `--seconds` measured. Reported per variant:
 requests and output tokens per minute, and CPU (each process with its children, so a worker includes its
@@ -28,7 +28,7 @@ from typing import Any
 
 from bench.overhead import machine_info
 from bench.soak.load import make_body
-from bench.soak.peer import FERRY_VLLM_FLAGS, PEER_ENV, PEER_FLAGS
+from bench.soak.peer import FERRY_VLLM_FLAGS, PEER_FLAGS
 from bench.sse_client import Connection, stream_stats
 from bench.stack import FerryStack, tree_cpu_seconds
 from bench.vllm.run import VLLM_ENV, start_vllm
@@ -86,7 +86,7 @@ def _environ(extra: dict[str, str]) -> Iterator[None]:
 async def start(variant: Variant, model_dir: Path) -> Running:
     """Start the variant's system with its environment."""
     if variant.system == "vllm":
-        srv = await start_vllm(model_dir, START_TIMEOUT_S, PEER_FLAGS, {**PEER_ENV, **variant.env})
+        srv = await start_vllm(model_dir, START_TIMEOUT_S, PEER_FLAGS, variant.env)
         return Running(srv.host, srv.port, {"vllm-server": srv.root_pid}, srv.stop)
     with _environ({**VLLM_ENV, **variant.env}):
         stack = await FerryStack.start(
