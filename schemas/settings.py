@@ -403,7 +403,8 @@ class SimSettings(EngineSettings):
     kv_transfer_bandwidth_gbps: float = dataclasses.field(
         default=64.0,
         metadata=_help(
-            "sim: GB/s of receiving a prompt's KV blocks from a prefill worker (delays that sequence only); 0 = free"
+            "sim: GB/s of receiving a prompt's KV blocks from a prefill worker (delays that sequence only; wall "
+            "time, not scaled by --speedup); 0 = free"
         ),
     )
 

@@ -19,22 +19,20 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Protocol, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaProducer
 
 from bus.produce import refresh_metadata
 from kvstore.kv_index import KVIndex
 from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, GenerateRequest, KVFrom
-from server.delivery import RequestLog
 from server.errors import APIError
 from server.kafka_io import Dispatcher, ReplyDemux
 from server.metrics import FrontendMetrics
-from server.pool import WorkerPool
-from server.preprocess import Prepared
+from server.move_needs import MovingRequest, Services
 from server.router import Decision, PromptMemo, Router
-from server.streams import ClientStream, Loss, MoveState, Sequence, marker
+from server.streams import Loss, MoveState, Sequence, marker
 
 log = logging.getLogger("ferry.frontend")
 
@@ -132,65 +130,6 @@ class Migrations:
             if worker_id is not None:
                 # A worker that only missed heartbeats (a pause, a Redis hiccup) is still generating: stop it.
                 self._spawn(self._dispatcher.cancel(worker_id, seq.request_id))
-
-
-class MovingRequest(Protocol):
-    """What a mover needs of the request whose sequences it moves (server/generation.py's Generation)."""
-
-    model: str
-    prepared: Prepared
-    reply_topic: str
-    stream: ClientStream
-
-    @property
-    def closed(self) -> bool:
-        """The reader is gone: nothing of this request may start any more."""
-        ...
-
-    def submitted(self, seq: Sequence) -> bool:
-        """True while the sequence holds router load (routed and not released)."""
-        ...
-
-    async def choose(self, memo: PromptMemo) -> Decision:
-        """A routing decision, waiting (bounded) while every worker is busy."""
-        ...
-
-    def request_for(
-        self,
-        seq: Sequence,
-        generated: list[int] | None = None,
-        kv_from: KVFrom | None = None,
-        attempt: int | None = None,
-    ) -> GenerateRequest:
-        """The GenerateRequest of one sequence; with `generated`, of its next attempt (`attempt`)."""
-        ...
-
-    def fail(self, seq: Sequence, message: str, code: str = "worker_died") -> None:
-        """End a sequence with an error of the frontend's own."""
-        ...
-
-    def end(self, seq: Sequence, chunk: Chunk | None) -> None:
-        """End a sequence with a chunk of the frontend's own."""
-        ...
-
-    def own(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        """Run `coro` as a task of the request's (cancelled when it closes)."""
-        ...
-
-
-class Services(Protocol):
-    """The frontend's parts a move uses."""
-
-    pool: WorkerPool
-    router: Router
-    dispatcher: Dispatcher
-    metrics: FrontendMetrics
-    migrations: Migrations
-    requests: RequestLog
-    migration_limit: int
-    busy_wait_s: float
-    request_timeout_s: float
-    delivery_check_s: float
 
 
 class Mover:
@@ -365,15 +304,16 @@ class Mover:
         decision.remaining = seq.decision.remaining  # what the sequence may still generate goes with it
         seq.decision = decision
         seq.moved_from = old
-        # A hand-off's request goes out before its marker is back (below): the attempt it claimed is taken.
+        # A hand-off's request goes out before its marker is back: the attempt it claimed is taken.
         target = max(seq.attempt, seq.claimed) + 1
-        if not await self._mark(seq, target, old, wait=kv_from is None):
+        if kv_from is not None:
+            await self._hand_over(seq, kv_from, target)
+            return None
+        if not await self._mark(seq, target, old):
             return None
         # Only now may the old worker be stopped: its abort would otherwise have ended the sequence. (It
-        # may be alive after all, e.g. its heartbeats were late; it may even be the worker chosen now.) A
-        # prefill worker ended its attempt with the token it sent.
-        if kv_from is None:
-            await svc.dispatcher.cancel(old, seq.request_id)
+        # may be alive after all, e.g. its heartbeats were late; it may even be the worker chosen now.)
+        await svc.dispatcher.cancel(old, seq.request_id)
         seq.moved_from = ""
         if seq.finished:
             return None  # the old worker's last chunk landed before the marker
@@ -384,9 +324,7 @@ class Mover:
             req.end(seq, Chunk(seq.request_id, seq.next_seq, finish_reason="length", usage=usage,
                                worker_id=old, attempt=seq.attempt))  # fmt: skip
             return None
-        # A hand-off to the decode worker is the normal course of a disaggregated sequence, not a failure.
-        log.log(
-            logging.DEBUG if kv_from else logging.WARNING,
+        log.warning(
             "moving %s from worker %s to %s (attempt %d, %d token(s) so far)",
             seq.request_id,
             old,
@@ -394,24 +332,58 @@ class Mover:
             target,
             len(generated),
         )
-        request = req.request_for(seq, generated, kv_from, attempt=target)
+        request = req.request_for(seq, generated, attempt=target)
         seq.claimed = target  # from here the worker may run it, whether or not the send below succeeds
         try:
             # No cancel behind a timed-out copy: the next copy is the same attempt and must run (the worker
             # runs whichever arrives first and drops the other as a duplicate).
-            offset = await self._while_broker_away(
+            await self._while_broker_away(
                 lambda: svc.dispatcher.submit(decision.worker_id, request, cancel_on_timeout=False)
             )
         except APIError as exc:
             self._fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc.message}")
             return None
         svc.metrics.migrations.labels(seq.move_reason, "moved").inc()
-        if kv_from is not None:
-            # A hand-off is every disaggregated sequence's course, and its decode worker may queue it for long:
-            # it gets a first attempt's delivery check, not a move's timer.
-            self.watch(seq, request, offset)
-            return None
         return request
+
+    async def _hand_over(self, seq: Sequence, kv_from: KVFrom, target: int) -> None:
+        """A disaggregated sequence's hand-off to its decode worker (`seq.decision` now): the marker of attempt
+        `target` and the decode request go out together, and nothing waits for the marker, not even for the
+        broker's acknowledgement.
+
+        The prefill worker ended its attempt with the token that started the hand-off, so no chunk of the old
+        attempt can follow the marker, and no worker needs stopping. Should a chunk of the new attempt land
+        before the marker, it switches the sequence over by itself and the marker is dropped as a duplicate
+        (`ClientStream.put`; a replay reads the same order). The two sends one after the other would add a
+        broker round trip to every disaggregated sequence's gap after its first token.
+        """
+        svc, req = self._svc, self._req
+        seq.moved_from = ""
+        worker_id = seq.decision.worker_id
+        log.debug("handing %s over to worker %s (attempt %d)", seq.request_id, worker_id, target)
+        request = req.request_for(seq, list(seq.token_ids), kv_from, attempt=target)
+        seq.claimed = target  # from here the worker may run it, whether or not the sends below succeed
+        mark = marker(seq.request_id, target, worker_id)
+        outcomes = await asyncio.gather(
+            self._while_broker_away(lambda: svc.dispatcher.note(req.reply_topic, mark)),
+            self._while_broker_away(
+                lambda: svc.dispatcher.submit(worker_id, request, cancel_on_timeout=False)
+            ),
+            return_exceptions=True,
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, APIError):
+                # (`fail` also cancels the sequence on the decode worker, which may have it already.)
+                self._fail(seq, f"handing the sequence over to worker {worker_id} failed: {outcome.message}")
+                return
+            if isinstance(outcome, BaseException):
+                raise outcome
+        offset = outcomes[1]
+        assert isinstance(offset, int)
+        svc.metrics.migrations.labels(seq.move_reason, "moved").inc()
+        # A hand-off is every disaggregated sequence's course, and its decode worker may queue it for long: it
+        # gets a first attempt's delivery check, not a move's timer.
+        self.watch(seq, request, offset)
 
     def _take_handoff(self, seq: Sequence) -> tuple[Decision | None, KVFrom | None]:
         """For a disaggregated sequence's hand-off (its prefill worker's token arrived): the decode worker it
@@ -446,16 +418,11 @@ class Mover:
                     return None
                 await svc.pool.wait_refreshed(remaining)
 
-    async def _mark(self, seq: Sequence, target: int, old: str, *, wait: bool = True) -> bool:
-        """Write the marker of attempt `target` into the replies topic and (with `wait`) wait until it came back.
+    async def _mark(self, seq: Sequence, target: int, old: str) -> bool:
+        """Write the marker of attempt `target` into the replies topic and wait until it came back.
 
         From where it lands, only chunks of the new attempt count, for this stream and any replay of it.
         False if the move must stop here (failed, or to be started over).
-
-        A hand-off does not wait: its prefill worker's attempt ended with the token that started it, so no
-        chunk of the old attempt can follow the marker; and the marker is in the topic (acknowledged) before
-        the request goes out, so it precedes every chunk the decode worker writes. Waiting would add the
-        marker's round trip through the broker to every disaggregated sequence's gap after its first token.
         """
         req = self._req
         seq.switched.clear()
@@ -468,8 +435,6 @@ class Mover:
         except APIError as exc:
             self._fail(seq, f"worker {old} stopped responding; moving the sequence failed: {exc!r}")
             return False
-        if not wait:
-            return True
         try:
             async with asyncio.timeout(MOVE_STALL_S):
                 while seq.attempt < target and not seq.finished:

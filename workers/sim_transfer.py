@@ -10,6 +10,10 @@ the worker's other sequences. Receiving the KV takes `blocks x block_size x kv_b
 does not already cache (the last one may be partial); transfers share one link, in arrival order. The
 sequence alone waits for its KV: the engine's other sequences keep stepping meanwhile, as a NIXL-style
 transfer overlaps the decode worker's compute.
+
+The link time is wall time, not divided by `--speedup`: the speedup scales the engine's compute model (the
+step times), not the network between workers. Dynamo's mocker does the same: its prefill worker holds its
+response for `prompt tokens x kv_bytes_per_token / bandwidth` whatever its `--speedup-ratio`.
 """
 
 from __future__ import annotations
@@ -54,8 +58,6 @@ class TransferSettings(Protocol):
     def kv_bytes_per_token(self) -> int: ...
     @property
     def kv_transfer_bandwidth_gbps(self) -> float: ...
-    @property
-    def speedup(self) -> float: ...
 
 
 class KVReceiver:
@@ -68,7 +70,6 @@ class KVReceiver:
         self._block_size = c.block_size
         self._kv_bytes = c.kv_bytes_per_token
         self._gbps = c.kv_transfer_bandwidth_gbps
-        self._speedup = c.speedup
         self._cached_prefix = cached_prefix
         self._link_free_at = 0.0
         # Counters for stats and tests.
@@ -89,7 +90,7 @@ class KVReceiver:
         moved = blocks - self._cached_prefix(block_hashes(tokens[: n // bs * bs], bs, seed))
         self.received_blocks += blocks
         self.transferred_blocks += moved
-        seconds = transfer_seconds(moved, self._block_size, self._kv_bytes, self._gbps) / self._speedup
+        seconds = transfer_seconds(moved, self._block_size, self._kv_bytes, self._gbps)
         if seconds <= 0:
             arrived()
             return n

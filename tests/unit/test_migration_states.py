@@ -10,8 +10,10 @@ from typing import Any, cast
 import pytest
 
 from schemas.kafka import Chunk, GenerateRequest, KVFrom
+from server.errors import APIError
 from server.metrics import FrontendMetrics
-from server.migration import MOVE_STALLS, Mover, Services, transition
+from server.migration import MOVE_STALLS, Mover, transition
+from server.move_needs import Services
 from server.router import Decision
 from server.streams import Loss, MoveState, Sequence
 
@@ -178,3 +180,46 @@ async def test_a_hand_off_sends_the_decode_request_without_waiting_for_its_marke
     s.handoff, s.kv_from = Decision(worker_id="d2"), KVFrom("p1", 4)
     await asyncio.wait_for(m._move(s), 2)
     assert [c.attempt for c in svc.notes] == [1, 2] and svc.sent[-1][1].attempt == 2
+
+
+async def test_a_hand_off_sends_its_marker_and_its_request_together() -> None:
+    """Neither send waits for the other's acknowledgement: one after the other, each would be a broker round
+    trip in the gap after the first token. (Sent in turn, the two sends below would never both start.)"""
+    req, svc = HandOffRequest(), HandOffServices()
+    both = asyncio.Barrier(2)
+    note, submit = svc._note, svc._submit
+
+    async def held_note(topic: str, chunk: Chunk) -> None:
+        await both.wait()
+        await note(topic, chunk)
+
+    async def held_submit(worker_id: str, request: GenerateRequest, cancel_on_timeout: bool = True) -> int:
+        await both.wait()
+        return await submit(worker_id, request, cancel_on_timeout)
+
+    svc.dispatcher = SimpleNamespace(note=held_note, submit=held_submit)
+    m = Mover(cast(Any, req), cast(Services, svc))
+    s = Sequence("r.0", 0, 0, Decision(worker_id="p1"), prompt_len=4, token_ids=[7])
+    s.handoff, s.kv_from = Decision(worker_id="d1"), KVFrom("p1", 4)
+    transition(s, MoveState.MOVING)
+    await asyncio.wait_for(m._move(s), 2)
+    assert [c.attempt for c in svc.notes] == [1] and [(w, r.attempt) for w, r in svc.sent] == [("d1", 1)]
+    assert req.started == ["watch-r.0"] and not req.failed  # a first attempt's delivery check watches it
+
+
+async def test_a_hand_off_whose_marker_the_broker_refuses_fails_the_sequence() -> None:
+    """Its request may be on the decode worker already: failing the sequence cancels it there too."""
+    req, svc = HandOffRequest(), HandOffServices()
+    svc.request_timeout_s = 0.0  # the broker stays away: no second try
+
+    async def refused(topic: str, chunk: Chunk) -> None:
+        raise APIError(503, "The message broker is unavailable", code="broker_unavailable")
+
+    svc.dispatcher = SimpleNamespace(note=refused, submit=svc._submit)
+    m = Mover(cast(Any, req), cast(Services, svc))
+    s = Sequence("r.0", 0, 0, Decision(worker_id="p1"), prompt_len=4, token_ids=[7])
+    s.handoff, s.kv_from = Decision(worker_id="d1"), KVFrom("p1", 4)
+    transition(s, MoveState.MOVING)
+    await asyncio.wait_for(m._move(s), 2)
+    assert len(req.failed) == 1 and "worker d1" in req.failed[0] and s.worker_id == "d1"
+    assert svc.metrics.migrations.labels("worker_died", "failed")._value.get() == 1

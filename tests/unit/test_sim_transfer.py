@@ -95,3 +95,16 @@ async def test_the_sequence_waits_for_its_kv_alone_and_cached_blocks_are_not_sen
     # Its 6 full blocks are cached here now: a second hand-off of the same prompt sends only the partial one.
     await collect(engine.generate(req("e", p, 2, generated_token_ids=[5], kv_from=KVFrom("p", 100))))
     assert (engine.receiver.received_blocks, engine.receiver.transferred_blocks) == (14, 8)
+
+
+async def test_the_link_time_is_wall_time_whatever_the_speedup(make_engine: MakeEngine) -> None:
+    """--speedup scales the compute model (the steps), not the link between workers, as in Dynamo's mocker."""
+    bs, kv_bytes = 16, 1_000_000
+    engine = await make_engine(speedup=100.0, kv_bytes_per_token=kv_bytes, kv_transfer_bandwidth_gbps=1.0)
+    expected = transfer_seconds(7, bs, kv_bytes, 1.0)  # 112 ms; 1.1 ms if it were divided by the speedup
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await collect(
+        engine.generate(req("d", prompt(100, salt=4), 2, generated_token_ids=[5], kv_from=KVFrom("p", 100)))
+    )
+    assert loop.time() - t0 >= expected
