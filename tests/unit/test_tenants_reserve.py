@@ -104,6 +104,25 @@ async def test_a_tenant_active_on_another_frontend_keeps_its_reserve_here() -> N
         await fourth
 
 
+async def test_every_tenant_behind_the_best_active_one_shares_the_unreserved_slots() -> None:
+    tenants = {name: Tenant(api_keys=[name]) for name in ("flood", "mid", "quiet")}
+    q = FairQueue(tenants, lambda: 100, _never_refreshed, max_wait_s=5.0, slots=lambda: Slots(4, 0))
+    q.sync({"flood": 1000.0, "mid": 500.0, "quiet": 10.0})  # Redis's counters (it charges from now on)
+    held = [await q.wait_turn(t, 10) for t in ("flood", "flood", "mid", "mid")]  # quiet not active yet
+    held.append(await q.wait_turn("quiet", 10))
+    late = [asyncio.create_task(q.wait_turn(t, 10)) for t in ("flood", "mid")]
+    await asyncio.sleep(0)
+    # mid is ahead of the flood, but both are behind the quiet tenant: together they hold the 4 unreserved.
+    assert q.queued() == 2
+    q.done(held[0])
+    await asyncio.sleep(0)
+    assert [t.done() for t in late] == [False, True]  # the freed slot goes to the better of the two
+    for t in [*held[1:], late[1].result()]:
+        q.done(t)
+    async with asyncio.timeout(1):
+        await late[0]
+
+
 async def test_without_a_reserve_nothing_is_held_back() -> None:
     q = queue(None)
     await flood_holding(q, 4)
