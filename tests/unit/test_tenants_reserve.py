@@ -115,9 +115,11 @@ async def test_every_tenant_behind_the_best_active_one_shares_the_unreserved_slo
     # mid is ahead of the flood, but both are behind the quiet tenant: together they hold the 4 unreserved.
     assert q.queued() == 2
     q.done(held[0])
-    await asyncio.sleep(0)
-    assert [t.done() for t in late] == [False, True]  # the freed slot goes to the better of the two
-    for t in [*held[1:], late[1].result()]:
+    # The freed slot goes to the better of the two.
+    assert q.queued() == 1 and len(q.inflight["mid"]) == 3 and len(q.inflight["flood"]) == 1
+    async with asyncio.timeout(1):
+        mid = await late[1]
+    for t in [*held[1:], mid]:
         q.done(t)
     async with asyncio.timeout(1):
         await late[0]
