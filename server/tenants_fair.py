@@ -6,8 +6,8 @@ through (and are charged), as many as the last refresh saw room for, plus one fo
 wait here; on each registry refresh (fresh load figures) as many as the workers have room for are let
 through, highest priority class first, then the tenant with the smallest counter. A tenant that becomes
 active (nothing waiting here, nothing in flight) has its counter lifted to the smallest among the active
-ones (what they were served: less what they have waiting or in flight, which Redis charged on arrival), so
-idling does not bank credit. A flood from one tenant thus queues behind its own share instead of ahead of
+ones (something waiting or in flight here, or seen in the last RECENT_S; what they were served: less what
+they have waiting or in flight, which Redis charged on arrival), so idling does not bank credit. A flood from one tenant thus queues behind its own share instead of ahead of
 everyone.
 
 The order goes on below the frontend: every request let through carries an engine priority (`Turn`), its
@@ -171,12 +171,13 @@ class FairQueue:
         return min(_CLASS[self.tenants[tenant].priority] * len(self.tenants) + rank, self._ceiling)
 
     def _lift(self, tenant: str) -> None:
-        """A tenant that becomes active starts from the smallest counter among the active ones."""
+        """A tenant that becomes active starts from the smallest counter among the active ones (those seen
+        recently too: a tenant served alone for a while, whose requests happen to have ended, must not find
+        a newcomer below it that goes ahead of all its requests until it has caught up)."""
         if self.waiting[tenant] or self.inflight[tenant]:
             return
-        active = [
-            self._served(t) for t in self.tenants if t != tenant and (self.waiting[t] or self.inflight[t])
-        ]
+        now = time.monotonic()
+        active = [self._served(t) for t in self.tenants if t != tenant and self._active(t, now)]
         if active:
             self.counters[tenant] = max(self.counters[tenant], min(active))
 

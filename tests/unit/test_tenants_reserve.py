@@ -145,3 +145,15 @@ def test_reserved_slots_of_the_fleet() -> None:
     assert reserved_slots([w("a", 4), w("b", 4)], remote, 0) is None  # --tenants-reserve 0
     assert reserved_slots([w("a", 4), w("b", 0)], remote, 1) is None  # a worker that does not say
     assert reserved_slots([], remote, 1) is None
+
+
+async def test_a_flood_beside_a_tenant_served_just_now_starts_from_its_counter() -> None:
+    q = queue(Slots(6, 0))
+    for _ in range(5):
+        q.done(await q.wait_turn("quiet", 10))  # served alone: 50 on its counter, nothing in flight now
+    flood = [await q.wait_turn("flood", 10) for _ in range(2)]
+    quiet = await q.wait_turn("quiet", 10)
+    # Lifted to the quiet tenant's 50 on arrival; from 0 it would go ahead of the quiet tenant (and have the
+    # reserve) until it had been served 50.
+    assert q.counters["flood"] == 70.0
+    assert quiet.priority < flood[-1].priority
