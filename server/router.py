@@ -168,7 +168,7 @@ class Router:
             # It goes ahead of what the engines hold waiting: where a running slot is free it starts at once
             # (the fair queue's reserve keeps some free, server/tenants_fair.py), else when one ends.
             free = [w for w in candidates if self._free_slot(w)]
-            candidates = free or candidates or self._soonest_slot(workers)
+            candidates = free or self._soonest_slot(candidates or workers)
         if not candidates:
             raise AllBusy()
         t0 = time.perf_counter()

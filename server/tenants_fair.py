@@ -18,10 +18,10 @@ waiting, where the frontend's order cannot reach (the router sends it to a busy 
 Neither engine preempts a running sequence for a better waiting one (vLLM's V1 scheduler does not), so it
 would still wait there for one running sequence to end. Hence the reserve (`--tenants-reserve` R): while a
 tenant with a better priority than T's is active (something of it waiting or in flight here, or a request of
-it seen in the last RECENT_S, here or through the shared counters), the tenants behind the best active ones
-(T among them) hold at most the fleet's running slots less R per worker (`Slots`); beyond that their
-requests wait here, so the best tenant's next request finds a running slot free at once (the router sends
-an overtaking request to a worker with one, server/router.py). With one tenant active nothing is reserved.
+it seen in the last RECENT_S, here or through the shared counters), T's requests wait here while what is in
+flight (every tenant's) fills the fleet's running slots less R per worker (`Slots`), so the best tenant's
+next request finds a running slot free at once (the router sends an overtaking request to a worker with
+one, server/router.py). With one tenant active nothing is reserved.
 
 The counters are shared by every frontend through Redis: the quota script (server/tenants_quota.py) charges
 a request's prompt at admission and its completion at the end, and hands back every tenant's counter, which
@@ -195,7 +195,7 @@ class FairQueue:
 
     def held_back(self, tenant: str) -> bool:
         """Whether the tenant's next request waits to leave the reserve free: an active tenant has a better
-        priority, and the tenants behind the best active ones hold every unreserved slot."""
+        priority, and what is in flight (of every tenant) fills every unreserved slot."""
         now = time.monotonic()
         prio = self._priorities()
         best = min((p for t, p in prio.items() if self._active(t, now)), default=prio[tenant])
@@ -204,7 +204,9 @@ class FairQueue:
         slots = self._slots()
         if slots is None:
             return False
-        held = sum(len(self.inflight[t]) for t, p in prio.items() if p > best)
+        # The best tenants' own requests count too: the reserve stays free for their next one (kept at R per
+        # worker it would be taken, at 1 request/s of ~1 s each, by one of theirs a third of the time).
+        held = sum(len(requests) for requests in self.inflight.values())
         return held + slots.others >= slots.unreserved
 
     def _may_overtake(self, tenant: str) -> bool:

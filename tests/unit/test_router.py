@@ -244,6 +244,11 @@ async def test_an_overtaking_request_goes_where_a_running_slot_is_free() -> None
     # Going ahead of what a holds waiting would still wait for a running sequence there: b starts it now.
     picks = {(await r.choose("m", workers, PromptMemo(PROMPT, overtake=True))).worker_id for _ in range(20)}
     assert picks == {"b"}
+    ending = Decision("b", remaining=3)
+    r.started(ending)
+    r.prefilled(ending)  # b is full too, but its running sequence ends soonest: the request waits least there
+    picks = {(await r.choose("m", workers, PromptMemo(PROMPT, overtake=True))).worker_id for _ in range(20)}
+    assert picks == {"b"}
 
 
 async def test_index_outage_falls_back_to_load_and_recovers() -> None:

@@ -42,19 +42,19 @@ async def test_the_flood_leaves_the_reserve_free_while_the_quiet_tenant_is_activ
     assert quiet.priority < flood[-1].priority
     more = [asyncio.create_task(q.wait_turn("flood", 10)) for _ in range(3)]
     await asyncio.sleep(0)
-    # The flood holds 5 of the 6 unreserved slots: one more goes, the rest wait (the room would let them go).
-    assert sum(t.done() for t in more) == 1 and q.queued() == 2
+    # 6 in flight fill the 6 unreserved slots: the flood's requests wait (the room would let them go).
+    assert not any(t.done() for t in more) and q.queued() == 3
     q.done(quiet)  # the quiet tenant has nothing in flight, but was seen just now: still active
-    await asyncio.sleep(0)
-    assert q.queued() == 2
-    q.done(flood[0])  # a flood request ended: its unreserved slot is the next one's, at once
-    await asyncio.sleep(0)
+    assert q.queued() == 2  # its slot is the flood's next request's, at once
+    q.done(flood[0])
     assert q.queued() == 1
     # The quiet tenant's next request is not held back: it goes ahead of the flood's waiting one.
     async with asyncio.timeout(1):
         again = await q.wait_turn("quiet", 10)
     assert again.overtake and q.queued() == 1
-    for t in [*flood[1:], again, *[t.result() for t in more if t.done()]]:
+    async with asyncio.timeout(1):
+        went = [await t for t in more[:2]]  # (released in their order)
+    for t in [*flood[1:], again, *went]:
         q.done(t)
     async with asyncio.timeout(1):
         await asyncio.gather(*more)
@@ -109,7 +109,7 @@ async def test_every_tenant_behind_the_best_active_one_shares_the_unreserved_slo
     q = FairQueue(tenants, lambda: 100, _never_refreshed, max_wait_s=5.0, slots=lambda: Slots(4, 0))
     q.sync({"flood": 1000.0, "mid": 500.0, "quiet": 10.0})  # Redis's counters (it charges from now on)
     held = [await q.wait_turn(t, 10) for t in ("flood", "flood", "mid", "mid")]  # quiet not active yet
-    held.append(await q.wait_turn("quiet", 10))
+    q.done(await q.wait_turn("quiet", 10))  # active from now on
     late = [asyncio.create_task(q.wait_turn(t, 10)) for t in ("flood", "mid")]
     await asyncio.sleep(0)
     # mid is ahead of the flood, but both are behind the quiet tenant: together they hold the 4 unreserved.
