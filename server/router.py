@@ -224,9 +224,9 @@ class Router:
         return 0 < w.max_num_seqs and self.load(w.worker_id).sequences < w.max_num_seqs
 
     def _soonest_slot(self, workers: list[WorkerStatus]) -> list[WorkerStatus]:
-        """The busy workers where a running sequence is nearest its end, as far as this frontend knows (all
-        of them when it knows none): a request that goes ahead of what they hold waiting starts there when
-        one ends, as neither engine preempts a running sequence for it."""
+        """Of `workers` (none with a running slot free), those where a running sequence is nearest its end, as
+        far as this frontend knows (all of them when it knows none): a request that goes ahead of what they
+        hold waiting starts there when one ends, as neither engine preempts a running sequence for it."""
 
         def left(w: WorkerStatus) -> float:
             return min((d.remaining for d in self.running.get(w.worker_id, {}).values()), default=math.inf)
