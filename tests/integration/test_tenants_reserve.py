@@ -6,7 +6,10 @@ While the quiet tenant is active, the flood holds at most one of the worker's tw
 flood sequence ends. With `--tenants-reserve 0` (as before the reserve existed) the test fails: the flood
 fills both slots, and the quiet request, first in the engine's queue, waits for a flood sequence to end
 (checked by hand: sent at 0.8 s, its first token at 3.8 s, just after the first flood sequence ended at
-3.7 s). A tenant active alone fills both slots.
+3.7 s). A tenant active alone fills both slots. Across two frontends (the quiet tenant on one, the flood on the
+other) the flood's frontend learns from the shared counters that the quiet tenant is active, and the other
+frontends' sequences count against the slots (with `--tenants-reserve 0` it fails the same way: quiet
+request sent at 0.9 s, first token at 3.6 s, after the first flood sequence ended).
 """
 
 from __future__ import annotations
@@ -104,3 +107,29 @@ async def test_a_tenant_active_alone_fills_every_slot(h: Harness, tmp_path: Path
     await until(both_slots, 30, period_s=0.01)
     async with asyncio.timeout(60):
         await asyncio.gather(*flood)
+
+
+async def test_the_reserve_holds_across_frontends(h: Harness, tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    engine = (await h.add_worker(speedup=0.5, max_num_seqs=2)).worker.engine
+    settings = {"tenants": str(path), "busy_waiting": FLOOD + 8, "busy_wait_s": 60.0, "tenants_reserve": 1}
+    _, quiet_url = await h.add_frontend(**settings)
+    flood_fe, flood_url = await h.add_frontend(**settings)
+    started = time.perf_counter()
+    await timed(flood_url, "key-flood", 4, started)  # the flood's frontend has read the shared counters once
+    await timed(quiet_url, "key-quiet", 4, started)  # charged there: the flood's frontend sees it is active
+    flood = [asyncio.create_task(timed(flood_url, "key-flood", LONG, started)) for _ in range(FLOOD)]
+
+    async def flood_placed() -> bool:
+        st = engine.stats()
+        queued = flood_fe.metrics.tenant_queued.labels("flood")._value.get()
+        return bool(st.running >= 1 and st.running + st.waiting + queued == FLOOD)
+
+    await until(flood_placed, 30)
+    sent = time.perf_counter() - started
+    quiet_first, _ = await timed(quiet_url, "key-quiet", 4, started)
+    async with asyncio.timeout(60):
+        flood_t = await asyncio.gather(*flood)
+    first_end = min(end for _, end in flood_t)
+    assert quiet_first < first_end, (sent, quiet_first, sorted(flood_t))
