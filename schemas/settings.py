@@ -345,6 +345,14 @@ class FrontendSettings(CommonSettings, RouterSettings, BatchSettings):
             "with the body's priority, as without tenants (for comparison)"
         ),
     )
+    tenants_reserve: int = dataclasses.field(
+        default=1,
+        metadata=_help(
+            "running slots per worker (of its --max-num-seqs) kept free for the tenant of best standing while it "
+            "is active: the tenants behind it wait in the fair queue rather than fill them (docs/tenants.md); "
+            "nothing is kept while a single tenant is active; 0 = keep none"
+        ),
+    )
     chat_template: str = dataclasses.field(
         default="",
         metadata=_help(

@@ -35,6 +35,9 @@ class WorkerStatus(msgspec.Struct, omit_defaults=True):
     # How often this worker heartbeats (0: not said, an older worker).
     heartbeat_interval_s: float = 0.0
     role: WorkerRole = "both"
+    # Sequences the engine runs at once (--max-num-seqs; 0: not said, an older worker): the fair queue keeps
+    # some of them free for tenants under their share (server/tenants_fair.py).
+    max_num_seqs: int = 0
 
 
 class FrontendStatus(msgspec.Struct, omit_defaults=True):

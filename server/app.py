@@ -16,13 +16,14 @@ from server import endpoints, routes
 from server.auth import APIKeyAuth, parse_keys
 from server.batch.routes import routes as batch_routes
 from server.batch.service import BatchService
+from server.disagg import serving
 from server.frontend import start_frontend
 from server.http import Gate
 from server.kinds import CHAT, COMPLETION
 from server.metrics import FrontendMetrics
 from server.openapi import document_bytes
 from server.tenants import configured_tenants
-from server.tenants_fair import FairQueue, room_of
+from server.tenants_fair import FairQueue, Slots, reserved_slots, room_of
 from server.tenants_quota import QuotaGate
 from server.tenants_usage import UsagePublisher, batch_charger
 
@@ -61,10 +62,15 @@ def create_app(settings: FrontendSettings) -> Starlette:
                     live = fe.pool.live(settings.served_model_name)
                     return room_of(live, fe.svc.router.available(live), settings.busy_waiting)
 
+                def slots() -> Slots | None:
+                    live = serving(fe.pool.live(settings.served_model_name))
+                    return reserved_slots(live, fe.svc.router.remote, settings.tenants_reserve)
+
                 fair = FairQueue(
                     tenants, room, fe.pool.wait_refreshed, settings.busy_wait_s, settings.max_queued_requests,
                     lambda tenant, n: metrics.tenant_queued.labels(tenant).set(n),
                     settle_s=2 * settings.heartbeat_interval_s, priority_ceiling=settings.batch_priority - 1,
+                    slots=slots,
                 )  # fmt: skip
                 app.state.fair = await stack.enter_async_context(fair.running())
 

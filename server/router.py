@@ -164,8 +164,11 @@ class Router:
                 503, f"No live worker serves the model `{model}` right now.", code="no_workers", retry_after=1
             )
         candidates = self.available(workers)
-        if not candidates and prompt.overtake:
-            candidates = self._soonest_slot(workers)
+        if prompt.overtake:
+            # It goes ahead of what the engines hold waiting: where a running slot is free it starts at once
+            # (the fair queue's reserve keeps some free, server/tenants_fair.py), else when one ends.
+            free = [w for w in candidates if self._free_slot(w)]
+            candidates = free or self._soonest_slot(candidates or workers)
         if not candidates:
             raise AllBusy()
         t0 = time.perf_counter()
@@ -215,10 +218,15 @@ class Router:
             model=candidates[0].model,
         )
 
+    def _free_slot(self, w: WorkerStatus) -> bool:
+        """Whether the sequences routers have in flight on `w` leave one of its running slots free (batch items,
+        which no router sends, are not counted)."""
+        return 0 < w.max_num_seqs and self.load(w.worker_id).sequences < w.max_num_seqs
+
     def _soonest_slot(self, workers: list[WorkerStatus]) -> list[WorkerStatus]:
-        """The busy workers where a running sequence is nearest its end, as far as this frontend knows (all
-        of them when it knows none): a request that goes ahead of what they hold waiting starts there when
-        one ends, as neither engine preempts a running sequence for it."""
+        """Of `workers` (none with a running slot free), those where a running sequence is nearest its end, as
+        far as this frontend knows (all of them when it knows none): a request that goes ahead of what they
+        hold waiting starts there when one ends, as neither engine preempts a running sequence for it."""
 
         def left(w: WorkerStatus) -> float:
             return min((d.remaining for d in self.running.get(w.worker_id, {}).values()), default=math.inf)

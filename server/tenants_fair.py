@@ -6,8 +6,8 @@ through (and are charged), as many as the last refresh saw room for, plus one fo
 wait here; on each registry refresh (fresh load figures) as many as the workers have room for are let
 through, highest priority class first, then the tenant with the smallest counter. A tenant that becomes
 active (nothing waiting here, nothing in flight) has its counter lifted to the smallest among the active
-ones (what they were served: less what they have waiting or in flight, which Redis charged on arrival), so
-idling does not bank credit. A flood from one tenant thus queues behind its own share instead of ahead of
+ones (something waiting or in flight here, or seen in the last RECENT_S; what they were served: less what
+they have waiting or in flight, which Redis charged on arrival), so idling does not bank credit. A flood from one tenant thus queues behind its own share instead of ahead of
 everyone.
 
 The order goes on below the frontend: every request let through carries an engine priority (`Turn`), its
@@ -16,7 +16,12 @@ waiting queues the same way. A request whose priority is better than one this fr
 through at once even while workers are busy (`Turn.overtake`): it goes ahead of what the engine holds
 waiting, where the frontend's order cannot reach (the router sends it to a busy worker, server/router.py).
 Neither engine preempts a running sequence for a better waiting one (vLLM's V1 scheduler does not), so it
-still waits there for one running sequence to end.
+would still wait there for one running sequence to end. Hence the reserve (`--tenants-reserve` R): while a
+tenant with a better priority than T's is active (something of it waiting or in flight here, or a request of
+it seen in the last RECENT_S, here or through the shared counters), T's requests wait here while what is in
+flight (every tenant's) fills the fleet's running slots less R per worker (`Slots`), so the best tenant's
+next request finds a running slot free at once (the router sends an overtaking request to a worker with
+one, server/router.py). With one tenant active nothing is reserved.
 
 The counters are shared by every frontend through Redis: the quota script (server/tenants_quota.py) charges
 a request's prompt at admission and its completion at the end, and hands back every tenant's counter, which
@@ -28,12 +33,15 @@ of a shared counter on top of it.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import math
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
+from kvstore.load import WorkerLoad
 from schemas.status import WorkerStatus
 from schemas.tenants import Tenant
 from server.errors import APIError
@@ -44,6 +52,9 @@ from server.tenants_quota import background
 _CLASS = {"high": -1, "normal": 0, "low": 1}
 DEFAULT_CEILING = 99  # below the default `--batch-priority` (100)
 SHARED_S = 10.0  # counters synced from Redis this recently are Redis's to charge
+# A tenant seen this recently is active (its slots stay reserved between its requests): a tenant sending one
+# request every few seconds keeps them; one gone quiet gives them back within this long.
+RECENT_S = 10.0
 
 
 @dataclass
@@ -54,6 +65,14 @@ class Turn:
     cost: float
     priority: int = 0
     overtake: bool = False
+
+
+@dataclass
+class Slots:
+    """The fleet's running slots as the reserve sees them."""
+
+    unreserved: int  # every worker's --max-num-seqs less the reserve (at least one each)
+    others: int  # sequences other frontends hold there (of no known tenant: counted against the unreserved)
 
 
 @dataclass
@@ -75,6 +94,7 @@ class FairQueue:
         on_queued: Callable[[str, int], None] = lambda tenant, n: None,
         settle_s: float = 0.0,
         priority_ceiling: int = DEFAULT_CEILING,
+        slots: Callable[[], Slots | None] = lambda: None,
     ) -> None:
         self.tenants = dict(tenants)
         self.counters = dict.fromkeys(tenants, 0.0)
@@ -100,6 +120,10 @@ class FairQueue:
         # above starts again only this long after it last did, or the same requests are given room twice.
         self._settle_s = settle_s
         self._settled_at = 0.0
+        # The fleet's slots for the reserve (None: no reserve, or a worker that does not say its capacity).
+        self._slots = slots
+        # When each tenant last sent a request, as far as this frontend knows.
+        self._seen_at = dict.fromkeys(tenants, -math.inf)
 
     def queued(self) -> int:
         """Requests waiting for their turn."""
@@ -129,12 +153,16 @@ class FairQueue:
         """Take what every frontend charged in Redis since the last sync (keeping what this frontend lifted)."""
         if not shared:
             return
-        self._synced_at = time.monotonic()
+        first = self._synced_at < 0 and not any(self._seen.values())
+        self._synced_at = now = time.monotonic()
         for name, value in shared.items():
             if name in self.counters and value > self._seen[name]:
                 # Only the increase: a lift stays on top of it, and an older answer never lowers a counter.
                 self.counters[name] += value - self._seen[name]
                 self._seen[name] = value
+                if not first:  # (the first answer holds all that was ever charged, not what is new)
+                    # Charged by some frontend: the tenant is active there (slots are reserved for it here too).
+                    self._seen_at[name] = now
 
     def priority(self, tenant: str) -> int:
         """The engine priority of the tenant's next request (lower runs first): its class, then how many
@@ -143,14 +171,43 @@ class FairQueue:
         return min(_CLASS[self.tenants[tenant].priority] * len(self.tenants) + rank, self._ceiling)
 
     def _lift(self, tenant: str) -> None:
-        """A tenant that becomes active starts from the smallest counter among the active ones."""
+        """A tenant that becomes active starts from the smallest counter among the active ones (those seen
+        recently too: a tenant served alone for a while, whose requests happen to have ended, must not find
+        a newcomer below it that goes ahead of all its requests until it has caught up)."""
         if self.waiting[tenant] or self.inflight[tenant]:
             return
-        active = [
-            self._served(t) for t in self.tenants if t != tenant and (self.waiting[t] or self.inflight[t])
-        ]
+        now = time.monotonic()
+        active = [self._served(t) for t in self.tenants if t != tenant and self._active(t, now)]
         if active:
             self.counters[tenant] = max(self.counters[tenant], min(active))
+
+    def _priorities(self) -> dict[str, int]:
+        """Every tenant's `priority` at once."""
+        ordered = sorted(self.counters.values())
+        n = len(self.tenants)
+        return {
+            name: min(_CLASS[self.tenants[name].priority] * n + bisect.bisect_left(ordered, c), self._ceiling)
+            for name, c in self.counters.items()
+        }
+
+    def _active(self, tenant: str, now: float) -> bool:
+        return bool(self.waiting[tenant] or self.inflight[tenant]) or now - self._seen_at[tenant] < RECENT_S
+
+    def held_back(self, tenant: str) -> bool:
+        """Whether the tenant's next request waits to leave the reserve free: an active tenant has a better
+        priority, and what is in flight (of every tenant) fills every unreserved slot."""
+        now = time.monotonic()
+        prio = self._priorities()
+        best = min((p for t, p in prio.items() if self._active(t, now)), default=prio[tenant])
+        if prio[tenant] <= best:
+            return False  # the reserve is its own (or a single tenant is active: nothing is reserved)
+        slots = self._slots()
+        if slots is None:
+            return False
+        # The best tenants' own requests count too: the reserve stays free for their next one (kept at R per
+        # worker it would be taken, at 1 request/s of ~1 s each, by one of theirs a third of the time).
+        held = sum(len(requests) for requests in self.inflight.values())
+        return held + slots.others >= slots.unreserved
 
     def _may_overtake(self, tenant: str) -> bool:
         """Whether a request of the tenant goes ahead of busy workers' queues: its priority is better than
@@ -173,11 +230,13 @@ class FairQueue:
         """Return when it is this request's turn (at once while workers have room and nobody waits, or when it
         goes ahead of a request in flight), with the engine priority it carries."""
         self._lift(tenant)
+        self._seen_at[tenant] = time.monotonic()
         turn = Turn(tenant, cost)
-        if not self.queued() and self.room() > 0:
+        held = self.held_back(tenant)
+        if not held and not self.queued() and self.room() > 0:
             self._spent += 1
             return self._grant(turn)
-        if self._may_overtake(tenant):
+        if not held and self._may_overtake(tenant):
             # Busy workers would take it ahead of a worse request this frontend sent them: send it now.
             self._spent += 1
             turn.overtake = True
@@ -218,11 +277,12 @@ class FairQueue:
             self.release()
 
     def _next(self) -> str | None:
-        """The tenant whose request goes next: highest priority class, then smallest counter."""
+        """The tenant whose request goes next: highest priority class, then smallest counter; of those not
+        held back by the reserve."""
         best: tuple[int, float] | None = None
         chosen = None
         for name, queue in self.waiting.items():
-            if queue:
+            if queue and not self.held_back(name):
                 key = (_CLASS[self.tenants[name].priority], self.counters[name])
                 if best is None or key < best:
                     best, chosen = key, name
@@ -273,3 +333,15 @@ def room_of(workers: list[WorkerStatus], available: list[WorkerStatus], busy_wai
     if busy_waiting <= 0:
         return len(available)
     return sum(max(1, busy_waiting - w.waiting) for w in available)
+
+
+def reserved_slots(
+    workers: list[WorkerStatus], remote: Mapping[str, WorkerLoad], reserve: int
+) -> Slots | None:
+    """The fleet's slots for the fair queue's reserve of `reserve` per worker; None without one (no reserve, no
+    worker, or a worker that does not say how many sequences it runs)."""
+    if reserve <= 0 or not workers or any(w.max_num_seqs <= 0 for w in workers):
+        return None
+    unreserved = sum(max(1, w.max_num_seqs - reserve) for w in workers)
+    others = sum(remote[w.worker_id].sequences for w in workers if w.worker_id in remote)
+    return Slots(unreserved, others)

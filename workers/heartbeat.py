@@ -80,6 +80,7 @@ class Heartbeat:
             metrics_url=self.metrics_url,
             heartbeat_interval_s=s.heartbeat_interval_s,
             role=s.role,
+            max_num_seqs=s.max_num_seqs,
         )
 
     @property

@@ -5,7 +5,8 @@ weights; `flood` has a `max_concurrent` quota below what it keeps in flight) and
 (Poisson) streamed chat traffic on 127.0.0.1, side by side in one run:
 
 - `alone`: the quiet tenant only;
-- `flood_fair`: the quiet tenant and the flood at `--flood-factor` × its rate, weighted-fair admission on;
+- `flood_fair`: the quiet tenant and the flood at `--flood-factor` × its rate, weighted-fair admission on
+  (with Ferry's `--tenants-reserve` unless `--tenants-reserve` says otherwise);
 - `flood_unfair`: the same on a second stack started with `--no-tenants-fair` (arrival order).
 
 Per phase it reports TTFT p50/p90 per tenant, statuses (429s of the flood beyond its quota, 5xx) and lost

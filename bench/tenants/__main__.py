@@ -185,6 +185,8 @@ async def stack_phases(
         "--max-num-seqs", str(args.max_num_seqs), "--busy-wait-s", str(args.busy_wait_s),
         "--tenants-fair" if fair else "--no-tenants-fair",
     ]  # fmt: skip
+    if fair and args.tenants_reserve is not None:
+        extra += ["--tenants-reserve", str(args.tenants_reserve)]
     stack = await FerryStack.start(args.workers, args.speedup, extra)
     out: dict[str, Any] = {}
     try:
@@ -251,6 +253,7 @@ def main() -> None:
     p.add_argument("--quiet-rps", type=float, default=1.0)
     p.add_argument("--flood-factor", type=float, default=10.0)
     p.add_argument("--flood-concurrent", type=int, default=24, help="the flood's max_concurrent quota")
+    p.add_argument("--tenants-reserve", type=int, help="the fair stack's --tenants-reserve; default Ferry's")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--phase-s", type=float, default=30.0, help="seconds of traffic per phase (3 phases)")
     p.add_argument("--seed", type=int, default=1)

@@ -15,8 +15,9 @@ from server.metrics import FrontendMetrics
 from server.router import AllBusy, Decision, PromptMemo, Router
 
 
-def _w(wid: str, waiting: int = 0, kv_usage: float = 0.0) -> WorkerStatus:
-    return WorkerStatus(wid, "m", "sim", 16, 1000, 4096, 0.0, 0.0, waiting=waiting, kv_usage=kv_usage)
+def _w(wid: str, waiting: int = 0, kv_usage: float = 0.0, max_num_seqs: int = 0) -> WorkerStatus:
+    load = {"waiting": waiting, "kv_usage": kv_usage, "max_num_seqs": max_num_seqs}
+    return WorkerStatus(wid, "m", "sim", 16, 1000, 4096, 0.0, 0.0, **load)  # type: ignore[arg-type]
 
 
 class FakeIndex:
@@ -232,6 +233,22 @@ async def test_an_overtaking_request_goes_where_a_running_sequence_ends_soonest(
     picks = {(await r.choose("m", workers, PromptMemo(PROMPT, overtake=True))).worker_id for _ in range(20)}
     assert picks == {"b"}
     assert (await r.choose("m", [workers[0], _w("b")], PromptMemo(PROMPT))).worker_id == "b"  # not busy
+
+
+async def test_an_overtaking_request_goes_where_a_running_slot_is_free() -> None:
+    r = _router(index=FakeIndex({"a": 9}), busy_waiting=1)
+    workers = [_w("a", max_num_seqs=2), _w("b", max_num_seqs=2)]
+    for wid in ("a", "a", "b"):
+        r.started(Decision(wid))  # a's two slots are taken (as far as routers know), one of b's is free
+    assert (await r.choose("m", workers, PromptMemo(PROMPT))).worker_id == "a"  # by cost: a caches it
+    # Going ahead of what a holds waiting would still wait for a running sequence there: b starts it now.
+    picks = {(await r.choose("m", workers, PromptMemo(PROMPT, overtake=True))).worker_id for _ in range(20)}
+    assert picks == {"b"}
+    ending = Decision("b", remaining=3)
+    r.started(ending)
+    r.prefilled(ending)  # b is full too, but its running sequence ends soonest: the request waits least there
+    picks = {(await r.choose("m", workers, PromptMemo(PROMPT, overtake=True))).worker_id for _ in range(20)}
+    assert picks == {"b"}
 
 
 async def test_index_outage_falls_back_to_load_and_recovers() -> None:
