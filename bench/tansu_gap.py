@@ -16,7 +16,8 @@ import uuid
 
 from aiokafka import AIOKafkaProducer, TopicPartition
 
-from bus.reader import At, Batch, Hooks, Options, Poll, Reader
+from bus.read_spec import At, Batch, Hooks, Options, Poll
+from bus.reader import Reader
 from bus.topics import ensure_topics
 from launch.services import start_broker
 

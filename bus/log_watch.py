@@ -35,7 +35,9 @@ class FetchWaitAdjuster:
     never triggers.
     """
 
-    def __init__(self, consumer: AIOKafkaConsumer, name: str, lagging_wait_ms: int = LAGGING_FETCH_WAIT_MS) -> None:
+    def __init__(
+        self, consumer: AIOKafkaConsumer, name: str, lagging_wait_ms: int = LAGGING_FETCH_WAIT_MS
+    ) -> None:
         self._consumer = consumer
         self._name = name
         self._lagging_wait_ms = lagging_wait_ms
@@ -73,7 +75,10 @@ class FetchWaitAdjuster:
             log.info(
                 "%s: fetches bring nothing of %d record(s) waiting (a broker slower to read than the %d ms "
                 "fetch wait); waiting up to %d ms per fetch until caught up",
-                self._name, stuck, self._base_ms, self._lagging_wait_ms,
+                self._name,
+                stuck,
+                self._base_ms,
+                self._lagging_wait_ms,
             )
         elif self.stretched and not behind:
             self.stretched = False
@@ -116,7 +121,11 @@ class LogResetWatch:
                 log.warning(
                     "%s: position %d is past the end (%d) of %s[%d]: the broker lost this log (restarted "
                     "empty?); reading it again from the start",
-                    self._name, position, end, tp.topic, tp.partition,
+                    self._name,
+                    position,
+                    end,
+                    tp.topic,
+                    tp.partition,
                 )
                 rewound.append(tp)
         if rewound:

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import msgspec
 from aiokafka import TopicPartition
 
-from bus.reader import Batch, Hooks, Options, Poll, Reader
+from bus.read_spec import Batch, Hooks, Options, Poll
+from bus.reader import Reader
 from launch.flags import load
 from schemas.names import usage_topic
 from schemas.ops_settings import UsageSettings

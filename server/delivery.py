@@ -15,7 +15,8 @@ from collections.abc import Callable
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
-from bus.reader import Options, Reader
+from bus.read_spec import Options
+from bus.reader import Reader
 from schemas.kafka import GenerateRequest, request_decoder
 from schemas.names import request_topic
 

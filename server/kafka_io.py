@@ -14,7 +14,8 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
 from bus.produce import TrackingProducer, forget_topics, send_and_wait
-from bus.reader import Batch, Hooks, Options, Poll, Reader, Tail
+from bus.read_spec import Batch, Hooks, Options, Poll, Tail
+from bus.reader import Reader
 from bus.topics import RequestTopics, delete_topics, ensure_topics
 from schemas.kafka import (
     Cancel,

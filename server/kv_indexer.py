@@ -29,7 +29,8 @@ import redis.asyncio as aioredis
 from aiokafka import TopicPartition
 from prometheus_client import Counter, Gauge
 
-from bus.reader import Batch, Hooks, Options, Poll, Reader
+from bus.read_spec import Batch, Hooks, Options, Poll
+from bus.reader import Reader
 from bus.topics import delete_topics, ensure_topics, existing_topics, retention
 from kvstore.kv_index import KVIndex
 from kvstore.kv_mirror import KVMirror, WorkerBlocks

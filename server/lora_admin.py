@@ -16,7 +16,8 @@ from typing import TypeVar
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from bus.reader import Batch, Hooks, Options, Poll, Reader, Tail
+from bus.read_spec import Batch, Hooks, Options, Poll, Tail
+from bus.reader import Reader
 from schemas.admin import (
     LoadLoraAdapterRequest,
     LoraAdapter,

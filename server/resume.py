@@ -15,7 +15,8 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from bus.reader import At, Batch, Hooks, Options, Poll, Reader
+from bus.read_spec import At, Batch, Hooks, Options, Poll
+from bus.reader import Reader
 from kvstore.resume_store import ResumeStore
 from schemas.kafka import Chunk, ErrorInfo, ReplyMessage, chunks_of, reply_decoder
 from schemas.streams import StreamRecord

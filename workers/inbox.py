@@ -11,7 +11,8 @@ from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
 from bus.log_watch import positions_and_ends
-from bus.reader import Batch, Hooks, Options, Own, Poll, Reader
+from bus.read_spec import Batch, Hooks, Options, Own, Poll
+from bus.reader import Reader
 from bus.topics import RequestTopics, delete_topics, ensure_topics, existing_topics, retention
 from schemas.kafka import (
     Cancel,

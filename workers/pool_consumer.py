@@ -29,7 +29,8 @@ from aiokafka.errors import KafkaError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from bus.epochs import metadata_age_ms
-from bus.reader import Batch, Hooks, Options, Poll, Reader, Subscribe
+from bus.read_spec import Batch, Hooks, Options, Poll, Subscribe
+from bus.reader import Reader
 from kvstore.batch_store import BatchStore
 from schemas.kafka import Chunk, GenerateRequest, PoolItem, pool_decoder
 from schemas.names import pool_group, pool_pattern, pool_topic

@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from aiokafka import AIOKafkaProducer
 
-from bus.reader import Batch, Hooks, Options, Poll, Reader, Subscribe
+from bus.read_spec import Batch, Hooks, Options, Poll, Subscribe
+from bus.reader import Reader
 from kvstore.batch_store import BatchStore
 from schemas.batch import KafkaBatchItem, kafka_item_decoder
 from schemas.names import batch_submit_group, batch_submit_topic

@@ -21,7 +21,8 @@ from aiokafka import AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
 from bus.epochs import metadata_age_ms
-from bus.reader import Batch, Hooks, Options, Poll, Reader, Subscribe
+from bus.read_spec import Batch, Hooks, Options, Poll, Subscribe
+from bus.reader import Reader
 from kvstore.batch_store import BatchStore
 from schemas.batch import ItemMeta
 from schemas.kafka import Chunk, ReplyMessage, chunks_of, reply_decoder

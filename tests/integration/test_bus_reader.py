@@ -11,7 +11,8 @@ import msgspec
 import pytest
 from aiokafka import AIOKafkaProducer, TopicPartition
 
-from bus.reader import At, Batch, Hooks, Options, Own, Poll, Reader, Tail
+from bus.read_spec import At, Batch, Hooks, Options, Own, Poll, Tail
+from bus.reader import Reader
 from bus.topics import delete_topics, ensure_topics
 from schemas.kafka import Chunk, request_encoder
 

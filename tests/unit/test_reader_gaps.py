@@ -9,7 +9,8 @@ import pytest
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
-from bus.reader import GAP_TRIES, Batch, Hooks, Options, Reader
+from bus.read_spec import Batch, Hooks, Options
+from bus.reader import GAP_TRIES, Reader
 from launch.services import free_port
 
 TP = TopicPartition("t", 0)
