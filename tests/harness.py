@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ import uvicorn
 
 from launch.frontend import ReadyServer
 from launch.services import Child, free_port
-from schemas.settings import FrontendSettings, WorkerSettings
+from schemas.settings import DEFAULT_MODEL_NAME, FrontendSettings, WorkerSettings
 from server.app import create_app
 from server.frontend import Frontend
 from workers.engine_choice import build_engine
@@ -58,7 +59,11 @@ class Harness:
 
     def __init__(self, kafka: str, redis: str, prefix: str, model_path: Path) -> None:
         self.common = dict(
-            kafka=kafka, redis=redis, redis_prefix=prefix, model_path=str(model_path), heartbeat_interval_s=0.5
+            kafka=kafka,
+            redis=redis,
+            redis_prefix=prefix,
+            model_path=str(model_path),
+            heartbeat_interval_s=0.5,
         )
         self.workers: list[RunningWorker] = []
         self._servers: list[tuple[ReadyServer, asyncio.Task[None]]] = []
@@ -101,7 +106,9 @@ class Harness:
                **TOOLS, **overrides}
         )  # fmt: skip
         app = create_app(settings)
-        server = ReadyServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+        server = ReadyServer(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        )
         task = asyncio.create_task(server.serve())
         bound = asyncio.create_task(server.bound.wait())
         await asyncio.wait([bound, task], timeout=30, return_when=asyncio.FIRST_COMPLETED)
@@ -135,8 +142,25 @@ async def worker_process(
     """A sim worker as a real child process (for tests that kill it), once it is registered."""
     child = await Child.spawn(
         worker_id,
-        [sys.executable, "-m", "launch", "worker", "--worker-id", worker_id, "--kafka", kafka, "--redis", redis,
-         "--redis-prefix", prefix, "--model-path", str(model_path), "--heartbeat-interval-s", "0.2", *extra],
+        [
+            sys.executable,
+            "-m",
+            "launch",
+            "worker",
+            "--worker-id",
+            worker_id,
+            "--kafka",
+            kafka,
+            "--redis",
+            redis,
+            "--redis-prefix",
+            prefix,
+            "--model-path",
+            str(model_path),
+            "--heartbeat-interval-s",
+            "0.2",
+            *extra,
+        ],
         echo=False,
     )
     try:
@@ -219,3 +243,25 @@ async def stream_with_fault(
     text = "".join(ch["delta"].get("content", "") for c in chunks for ch in c.get("choices", []))
     assert text and chunks[-1]["choices"][0]["finish_reason"] == "length"
     return events, text
+
+
+async def timed_chat(
+    url: str, key: str, content: str, max_tokens: int, started: float
+) -> tuple[float, float]:
+    """Stream one chat with API key `key`; seconds from `started` to its first content token and to its end."""
+    body = {"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "ignore_eos": True, "stream": True}  # fmt: skip
+    first = None
+    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+        async with c.stream(
+            "POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        ) as r:
+            assert r.status_code == 200, await r.aread()
+            async for _, data in sse_events(r):
+                if data == "[DONE]":
+                    break
+                delta = json.loads(data)["choices"][0]["delta"]
+                if first is None and delta.get("content"):
+                    first = time.perf_counter() - started
+    assert first is not None
+    return first, time.perf_counter() - started

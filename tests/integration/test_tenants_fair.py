@@ -14,18 +14,15 @@ priorities (every request 0, as before they existed) it ran after every flood re
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.harness import Harness, sse_events, until
+from tests.harness import Harness, timed_chat, until
 
 pytestmark = pytest.mark.integration
 
-MODEL = "SmolLM2-135M-Instruct"
 TENANTS = """
 [tenants.flood]
 api_keys = ["key-flood"]
@@ -39,21 +36,7 @@ QUIET = 2
 
 async def first_token(url: str, key: str, i: int, started: float) -> float:
     """Stream one chat; seconds from `started` to its first content token (the stream is read to its end)."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Story {key} {i}"}], "max_tokens": 24,
-            "ignore_eos": True, "stream": True}  # fmt: skip
-    first = None
-    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-        async with c.stream(
-            "POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
-        ) as r:
-            assert r.status_code == 200, await r.aread()
-            async for _, data in sse_events(r):
-                if data == "[DONE]":
-                    break
-                delta = json.loads(data)["choices"][0]["delta"]
-                if first is None and delta.get("content"):
-                    first = time.perf_counter() - started
-    assert first is not None
+    first, _ = await timed_chat(url, key, f"Story {key} {i}", 24, started)
     return first
 
 

@@ -15,20 +15,17 @@ request sent at 0.9 s, first token at 3.6 s, after the first flood sequence ende
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from server.frontend import Frontend
-from tests.harness import Harness, sse_events, until
+from tests.harness import Harness, timed_chat, until
 from workers.engine import Engine
 
 pytestmark = pytest.mark.integration
 
-MODEL = "SmolLM2-135M-Instruct"
 TENANTS = """
 [tenants.flood]
 api_keys = ["key-flood"]
@@ -42,22 +39,7 @@ LONG = 200  # tokens of a flood sequence: ~2.3 s at the worker's speed
 
 async def timed(url: str, key: str, max_tokens: int, started: float) -> tuple[float, float]:
     """Stream one chat; seconds from `started` to its first content token and to its end."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Story for {key}"}],
-            "max_tokens": max_tokens, "ignore_eos": True, "stream": True}  # fmt: skip
-    first = None
-    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-        async with c.stream(
-            "POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
-        ) as r:
-            assert r.status_code == 200, await r.aread()
-            async for _, data in sse_events(r):
-                if data == "[DONE]":
-                    break
-                delta = json.loads(data)["choices"][0]["delta"]
-                if first is None and delta.get("content"):
-                    first = time.perf_counter() - started
-    assert first is not None
-    return first, time.perf_counter() - started
+    return await timed_chat(url, key, f"Story for {key}", max_tokens, started)
 
 
 async def stack(h: Harness, tmp_path: Path) -> tuple[str, Frontend, Engine]:
