@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schemas.settings import SimSettings, VLLMSettings, WorkerSettings, values_of
+from schemas.engine_settings import SimSettings, VLLMSettings
+from schemas.settings import WorkerSettings, values_of
 from workers.engine import Engine
 from workers.model_dir import load_model_info
 

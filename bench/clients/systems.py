@@ -46,7 +46,7 @@ class Server:
 
 def engine_settings(block_size: int, max_num_seqs: int) -> dict[str, Any]:
     """What Ferry's vLLM worker runs with: VLLMConfig's defaults and `ferry up`'s engine defaults."""
-    from schemas.settings import EngineSettings
+    from schemas.engine_settings import EngineSettings
     from workers.vllm_config import VLLMConfig, platform_defaults
 
     eng = EngineSettings()

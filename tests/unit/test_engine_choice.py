@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from schemas.settings import SimSettings, WorkerSettings
+from schemas.engine_settings import SimSettings
+from schemas.settings import WorkerSettings
 from workers.engine_choice import build_engine
 from workers.model_dir import load_model_info
 from workers.sim import SimEngine

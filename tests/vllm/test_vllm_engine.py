@@ -13,10 +13,11 @@ import pytest
 import pytest_asyncio
 
 from kvstore.hashing import block_hashes, chain_seed
+from schemas.engine_settings import VLLMSettings
 from schemas.kafka import GenerateRequest, SamplingParams
 from schemas.kv_events import BlockStored, KVEventBatch
 from schemas.settings import DEFAULT_MODEL_NAME as SERVED_MODEL_NAME
-from schemas.settings import VLLMSettings, WorkerSettings
+from schemas.settings import WorkerSettings
 from server.model_files import ModelFiles
 from workers.engine import EngineError, EngineOutput
 from workers.engine_choice import build_engine
