@@ -157,7 +157,7 @@ class Generation:
             for seq in list(self._submitted):
                 self._release(seq)
             raise
-        self.reply_topic, self.first_offset = self.svc.demux.register(self.stream)
+        self.reply_topic, self.first_offset = self.svc.demux.register(self.stream, self.resumable)
         self.deadline = time.time() + self.svc.request_timeout_s
         try:
             for seq in self.stream.sequences.values():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import time
@@ -37,6 +38,11 @@ log = logging.getLogger("ferry.frontend")
 ROLL_RETRY_S = 1.0
 # Requests whose topic the dispatcher remembers (for their cancels and delivery checks).
 SENT_REMEMBERED = 65536
+# How long a retired replies topic that no resumable stream used is kept: nobody reads it back, so only
+# as long as a worker may still write a late chunk there (a cancelled sequence's last one). Later, such a
+# write would make the embedded broker create the topic again (broker quirk "metadata re-creates
+# topics"); a worker's producer forgets a topic 10 s after its last write.
+UNRESUMABLE_RETAIN_S = 60.0
 
 
 class Dispatcher:
@@ -186,6 +192,8 @@ class _Tail:
     # Offset of the next record to read: every chunk of a request sent from now on lies at or after it.
     position: int
     streams: set[str] = field(default_factory=set)
+    # A resumable stream replied here: the topic is kept for the resume TTL once retired.
+    resumable: bool = False
 
 
 class ReplyDemux:
@@ -193,7 +201,8 @@ class ReplyDemux:
 
     New requests reply to the current topic. After `roll_records` records the demux starts a fresh one
     and reads the old one only while requests that reply there are open; `retain_s` later it deletes it
-    (resumed streams read old chunks back until then): the embedded broker's fetches slow down as a
+    (resumed streams read old chunks back until then; `UNRESUMABLE_RETAIN_S` when no stream that replied
+    there was resumable, which under ordinary traffic is most topics): the embedded broker's fetches slow down as a
     partition grows (docs/architecture.md, broker quirk "slow long partitions"). A Kafka cluster does
     not need the roll, and `roll_records=0` turns it off.
     """
@@ -272,8 +281,8 @@ class ReplyDemux:
             self._deleting.cancel()
             await asyncio.gather(self._deleting, return_exceptions=True)
 
-    def register(self, stream: ClientStream) -> tuple[str, int]:
-        """Route chunks of every sequence of `stream` to it.
+    def register(self, stream: ClientStream, resumable: bool = False) -> tuple[str, int]:
+        """Route chunks of every sequence of `stream` to it; a `resumable` one keeps its topic for `retain_s`.
 
         Returns the replies topic its requests must name and the offset its chunks will start at or after.
         """
@@ -284,6 +293,7 @@ class ReplyDemux:
             assert self._current is not None, "start() first"
             tail = self._tail_of[stream.id] = self._current
             tail.streams.add(stream.id)
+        tail.resumable |= resumable
         for rid in stream.sequences:
             self._by_request[rid] = stream
         return tail.topic, tail.position
@@ -302,7 +312,8 @@ class ReplyDemux:
     def _retire(self, tail: _Tail) -> None:
         """Nothing open replies on `tail` any more: stop reading it, delete it once no resume can want it."""
         del self._tails[tail.topic]
-        self._doomed.append((time.monotonic() + self._retain_s, tail.topic))
+        retain_s = self._retain_s if tail.resumable else min(self._retain_s, UNRESUMABLE_RETAIN_S)
+        bisect.insort(self._doomed, (time.monotonic() + retain_s, tail.topic))
         self._reassign = True
 
     def open_sequences(self, worker_id: str | None) -> list[tuple[ClientStream, Sequence]]:

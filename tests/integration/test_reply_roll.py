@@ -135,6 +135,30 @@ async def test_a_retired_topic_is_deleted_while_replies_keep_arriving(kafka: str
         assert base not in demux.topics
 
 
+async def test_a_topic_no_resumable_stream_used_goes_first(kafka: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Chunks nobody can ask for again are not kept for the resume TTL (the broker holds them in memory).
+    monkeypatch.setattr(kafka_io, "UNRESUMABLE_RETAIN_S", 0.3)
+    async with demux_rig(kafka, roll_records=1, retain_s=60) as (demux, reply, base):
+        kept = stream_of("kept")
+        assert demux.register(kept, resumable=True)[0] == base
+        await reply(base, Chunk("kept.0", 0, token_ids=[0]))
+        await until(rolled_from(demux, base), 20, 0.01)
+        plain = stream_of("plain")
+        topic, _ = demux.register(plain)
+        await reply(topic, Chunk("plain.0", 0, token_ids=[1]))
+        await until(rolled_from(demux, topic), 20, 0.01)
+        demux.unregister(kept)
+        demux.unregister(plain)
+
+        async def deleted() -> bool:
+            return topic not in await topics(kafka)
+
+        await until(deleted, 30, 0.1)
+        # Retired first, deleted last: a resumed stream can still read its chunks back.
+        assert base in await topics(kafka)
+        assert demux.topics == [demux.topic]
+
+
 async def test_requests_across_rolls_complete_and_a_stream_resumes_from_its_topic(h: Harness) -> None:
     await h.add_worker(speedup=1.0)  # real time: the resumable stream is still running when dropped
     # A wave of 8 concurrent requests of 30 tokens makes at least 30 records (a worker sends the chunks of
