@@ -135,7 +135,9 @@ async def test_a_retired_topic_is_deleted_while_replies_keep_arriving(kafka: str
         assert base not in demux.topics
 
 
-async def test_a_topic_no_resumable_stream_used_goes_first(kafka: str, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_topic_no_resumable_stream_used_goes_first(
+    kafka: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Chunks nobody can ask for again are not kept for the resume TTL (the broker holds them in memory).
     monkeypatch.setattr(kafka_io, "UNRESUMABLE_RETAIN_S", 0.3)
     async with demux_rig(kafka, roll_records=1, retain_s=60) as (demux, reply, base):
