@@ -196,18 +196,28 @@ class FairQueue:
     def held_back(self, tenant: str) -> bool:
         """Whether the tenant's next request waits to leave the reserve free: an active tenant has a better
         priority, and what is in flight (of every tenant) fills every unreserved slot."""
+        return self._holding()(tenant)
+
+    def _holding(self) -> Callable[[str], bool]:
+        """`held_back` of any tenant from one look at the priorities, the slots and what is in flight."""
         now = time.monotonic()
         prio = self._priorities()
-        best = min((p for t, p in prio.items() if self._active(t, now)), default=prio[tenant])
-        if prio[tenant] <= best:
-            return False  # the reserve is its own (or a single tenant is active: nothing is reserved)
-        slots = self._slots()
-        if slots is None:
-            return False
-        # The best tenants' own requests count too: the reserve stays free for their next one (kept at R per
-        # worker it would be taken, at 1 request/s of ~1 s each, by one of theirs a third of the time).
-        held = sum(len(requests) for requests in self.inflight.values())
-        return held + slots.others >= slots.unreserved
+        best = min((p for t, p in prio.items() if self._active(t, now)), default=None)
+        full: list[bool] = []  # the slots are read once, and only if a tenant is behind the best
+
+        def held(tenant: str) -> bool:
+            if best is None or prio[tenant] <= best:
+                return False  # the reserve is its own (or a single tenant is active: nothing is reserved)
+            if not full:
+                slots = self._slots()
+                # The best tenants' own requests count too: the reserve stays free for their next one (kept
+                # at R per worker it would be taken, at 1 request/s of ~1 s each, by one of theirs a third
+                # of the time).
+                held = sum(len(requests) for requests in self.inflight.values())
+                full.append(slots is not None and held + slots.others >= slots.unreserved)
+            return full[0]
+
+        return held
 
     def _may_overtake(self, tenant: str) -> bool:
         """Whether a request of the tenant goes ahead of busy workers' queues: its priority is better than
@@ -281,8 +291,9 @@ class FairQueue:
         held back by the reserve."""
         best: tuple[int, float] | None = None
         chosen = None
+        held_back = self._holding()
         for name, queue in self.waiting.items():
-            if queue and not self.held_back(name):
+            if queue and not held_back(name):
                 key = (_CLASS[self.tenants[name].priority], self.counters[name])
                 if best is None or key < best:
                     best, chosen = key, name
