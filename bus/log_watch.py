@@ -48,6 +48,14 @@ class FetchWaitAdjuster:
         self._last: dict[TopicPartition, int] = {}
         self._checked_at = 0.0
 
+    def set_base(self, wait_ms: int) -> None:
+        """The fetch wait of a reader that is not lagging (from now on; a stretched one keeps its stretch)."""
+        if wait_ms == self._base_ms:
+            return
+        self._base_ms = wait_ms
+        if not self.stretched:
+            self._fetcher._fetch_max_wait_ms = wait_ms
+
     async def after_poll(self, got_records: bool) -> None:
         """Call after every poll with whether it returned records.
 

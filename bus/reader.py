@@ -72,6 +72,7 @@ class Reader(Generic[T]):
         self._next: dict[TopicPartition, int] = {}
         # Per partition with a hole being read again: the hole's first offset and how often it was read.
         self._holes: dict[TopicPartition, tuple[int, int]] = {}
+        self._stretch: FetchWaitAdjuster | None = None  # the loop's, while it runs
         self.gaps_refetched = 0  # holes read again
         self.gaps_accepted = 0  # holes read on past after GAP_TRIES reads
 
@@ -185,6 +186,11 @@ class Reader(Generic[T]):
 
     # ---- for hooks ---------------------------------------------------------------------------------
 
+    def set_fetch_wait(self, wait_ms: int) -> None:
+        """The loop's fetch wait from its next fetch on (while it is not stretched for a lagging log)."""
+        if self._stretch is not None:
+            self._stretch.set_base(wait_ms)
+
     async def position(self, tp: TopicPartition) -> int:
         """The offset the next record of `tp` will have (waits while it is being resolved)."""
         return int(await self.consumer.position(tp))
@@ -264,7 +270,7 @@ class Reader(Generic[T]):
 
     async def _run(self, hooks: Hooks[T]) -> None:
         consumer = self.consumer
-        stretch = FetchWaitAdjuster(consumer, self.name)
+        stretch = self._stretch = FetchWaitAdjuster(consumer, self.name)
         watch = LogResetWatch(consumer, self.name) if self._options.watch_reset else None
         try:
             while not self._finishing:

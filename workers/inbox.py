@@ -35,6 +35,14 @@ log = logging.getLogger("ferry.worker")
 SEEN_REQUESTS = 65536
 
 
+def fetch_wait_ms(base_ms: int, busy_cap_ms: int, busy: bool, step_s: float) -> int:
+    """The inbox's fetch wait: `base_ms` while idle; while the engine is busy, half its step, at most
+    `busy_cap_ms` (a request arriving meanwhile would mostly wait for the step under way anyway)."""
+    if not busy or busy_cap_ms <= base_ms:
+        return base_ms
+    return max(base_ms, min(int(step_s * 500), busy_cap_ms))
+
+
 class Inbox:
     """Reads the worker's own topics and hands each message to serving or LoRA control.
 
@@ -86,8 +94,22 @@ class Inbox:
                 group_id=f"ferry-worker-{settings.worker_id}",
                 offset_reset="earliest",
             ),
-            Hooks(self._handle, failed=on_fatal, reset=self._reset, after_poll=self._roll),
+            Hooks(
+                self._handle, failed=on_fatal, reset=self._reset, before_poll=self._pace, after_poll=self._roll
+            ),
         )
+        self._base_wait_ms = settings.kafka_fetch_wait_ms
+        self._busy_wait_ms = settings.busy_fetch_wait_ms
+
+    async def _pace(self) -> Poll | None:
+        # Every fetch the embedded broker parks wakes it and this process when the wait ends (it answers a
+        # parked fetch only then): on the cores a CPU engine's threads step on, a 5 ms poll costs the engine
+        # a fifth of its throughput (docs/benchmarks.md, "The engine's environment").
+        serving = self._serving
+        self.reader.set_fetch_wait(
+            fetch_wait_ms(self._base_wait_ms, self._busy_wait_ms, len(serving) > 0, serving.step_s)
+        )
+        return None
 
     async def open(self) -> None:
         """Create and position on the topics (from the last commits) before the worker registers."""

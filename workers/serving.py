@@ -73,6 +73,8 @@ class Serving:
         # In-flight attempts a Cancel named (dropped when they end). The task, not the request id: a
         # newer attempt of the same request (a migration back to this worker) must not inherit the cancel.
         self._cancelled: set[asyncio.Task[None]] = set()
+        # The engine's recent time per decode step (an average over sequences' inter-token times).
+        self.step_s = 0.0
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
         # What requests cut short tell their clients: set by fail_all. None (abandon) sends no last word, so
@@ -158,6 +160,11 @@ class Serving:
         m.decode_seconds.observe(now - first)
         return queued, prefill, now - first
 
+    def _note_steps(self, decode_s: float, tokens: int) -> None:
+        if tokens > 1 and decode_s > 0:
+            step = decode_s / (tokens - 1)
+            self.step_s = step if not self.step_s else 0.8 * self.step_s + 0.2 * step
+
     async def _serve(self, req: GenerateRequest) -> None:
         """Run one sequence and send every delta back as a Chunk."""
         wid, metrics = self._worker_id, self._metrics
@@ -184,7 +191,9 @@ class Serving:
                     finished = True
                     aborted = out.finish_reason == "abort"
                     prompt = out.prompt_tokens or len(req.prompt_token_ids)
-                    usage = ChunkUsage(prompt, generated, out.cached_tokens, *self._timing(started, first, queued))
+                    timing = self._timing(started, first, queued)
+                    usage = ChunkUsage(prompt, generated, out.cached_tokens, *timing)
+                    self._note_steps(timing[2], generated - len(req.generated_token_ids))
                     if first:  # scheduled: its prompt was looked up in the prefix cache
                         metrics.prefix_queries.inc(prompt)
                         metrics.prefix_hits.inc(out.cached_tokens)

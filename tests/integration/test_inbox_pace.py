@@ -1,0 +1,46 @@
+"""A worker's inbox waits longer per fetch while its engine is busy (half a step), and goes back to the
+prompt wait once idle."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.harness import Harness, until
+from workers.inbox import fetch_wait_ms
+
+pytestmark = pytest.mark.integration
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+async def test_a_busy_workers_inbox_waits_half_a_step_per_fetch(h: Harness) -> None:
+    # A quarter of real time: ~23 ms decode steps, so half a step is above the 5 ms base.
+    running = await h.add_worker(speedup=0.25)
+    worker = running.worker
+    _, url = await h.add_frontend()
+    fetcher = worker._inbox.reader.consumer._fetcher
+    base = worker.settings.kafka_fetch_wait_ms
+    body = {"model": MODEL, "prompt": "Count", "max_tokens": 40, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        first = await c.post("/v1/completions", json=body)  # measures the step
+        assert first.status_code == 200
+        step_s = worker.serving.step_s
+        assert 0.01 < step_s < 0.2, step_s
+        expected = fetch_wait_ms(base, worker.settings.busy_fetch_wait_ms, True, step_s)
+        assert expected > base
+        second = asyncio.create_task(c.post("/v1/completions", json=body))
+
+        async def paced() -> bool:
+            return fetcher._fetch_max_wait_ms > base
+
+        await until(paced, 10, 0.005)
+        assert base < fetcher._fetch_max_wait_ms <= worker.settings.busy_fetch_wait_ms
+        assert (await second).status_code == 200
+
+    async def prompt_again() -> bool:
+        return fetcher._fetch_max_wait_ms == base
+
+    await until(prompt_again, 10)
