@@ -15,6 +15,7 @@ import logging
 import time
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import IllegalStateError
 
 log = logging.getLogger("ferry.kafka")
 
@@ -101,6 +102,10 @@ async def positions_and_ends(consumer: AIOKafkaConsumer) -> list[tuple[TopicPart
     """
     out = []
     for tp in consumer.assignment():
+        # A rebalance during an await below can take partitions of this list away (a pattern group over
+        # rolled topics): aiokafka asserts on the high watermark of a partition no longer assigned.
+        if tp not in consumer.assignment():
+            continue
         end = consumer.highwater(tp)
         if end is None:
             continue
@@ -108,7 +113,7 @@ async def positions_and_ends(consumer: AIOKafkaConsumer) -> list[tuple[TopicPart
             # position() waits (up to the request timeout) while a position is being reset; a check
             # must never hold up the reader it watches.
             position = await asyncio.wait_for(consumer.position(tp), 0.05)
-        except TimeoutError:
+        except (TimeoutError, IllegalStateError):
             continue
         out.append((tp, position, end))
     return out

@@ -36,3 +36,4 @@ async def test_a_new_base_applies_at_once_unless_the_reader_is_stretched_then_af
     assert consumer._fetcher._fetch_max_wait_ms == 500
     await stretch.after_poll(False)  # nothing assigned lags: caught up
     assert not stretch.stretched and consumer._fetcher._fetch_max_wait_ms == 40
+
