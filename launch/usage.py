@@ -90,15 +90,10 @@ async def read_usage(kafka: str, since: float, timeout_s: float = 10.0) -> list[
 
 
 def summarize(records: list[UsageRecord], by: str) -> dict[str, dict[str, int]]:
-    """Totals of each column per group (`tenant`, `model` or `key`); a record sent twice counts once."""
+    """Totals of each column per group (`tenant`, `model` or `key`)."""
     field = {"tenant": "tenant", "model": "model", "key": "key_id"}[by]
     out: dict[str, dict[str, int]] = {}
-    ids: set[str] = set()
     for r in records:
-        if r.id:
-            if r.id in ids:
-                continue
-            ids.add(r.id)
         row = out.setdefault(getattr(r, field), dict.fromkeys(COLUMNS, 0))
         for c in COLUMNS:
             row[c] += getattr(r, c)

@@ -35,5 +35,3 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
-    # Unique per record: a record the publisher sent again (it was lost) is counted once.
-    id: str = ""

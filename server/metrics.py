@@ -113,11 +113,6 @@ class FrontendMetrics:
             registry=r,
         )
         self.kafka_errors = Counter("ferry_kafka_errors", "Produces that failed", registry=r)
-        self.usage_resent = Counter(
-            "ferry_usage_records_resent",
-            "Usage records sent again: acknowledged, then not on the topic",
-            registry=r,
-        )
         self.kafka_lag = ConsumerLag(r)
         self.redis_seconds = Histogram(
             "ferry_redis_seconds", "Redis round trips", ["op"], buckets=_FAST_BUCKETS, registry=r

@@ -46,16 +46,3 @@ def test_summary_by_tenant_model_and_key_as_table_and_csv() -> None:
         "completion_tokens",
     ]
     assert table[1].split() == ["a", "2", "1", "11", "0", "5"]
-
-
-def test_a_record_sent_again_counts_once() -> None:
-    # The publisher sends a record again when the broker lost it; a copy that was not lost after all is
-    # the same id. Records without an id (older frontends) each count.
-    recs = [
-        UsageRecord(at=1, tenant="a", key_id="k", model="m", prompt_tokens=10, id="x"),
-        UsageRecord(at=2, tenant="a", key_id="k", model="m", prompt_tokens=10, id="x"),
-        UsageRecord(at=3, tenant="a", key_id="k", model="m", prompt_tokens=4),
-        UsageRecord(at=4, tenant="a", key_id="k", model="m", prompt_tokens=4),
-    ]
-    assert summarize(recs, "tenant")["a"]["requests"] == 3
-    assert summarize(recs, "tenant")["a"]["prompt_tokens"] == 18
