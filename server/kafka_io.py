@@ -202,8 +202,8 @@ class ReplyDemux:
     New requests reply to the current topic. After `roll_records` records the demux starts a fresh one
     and reads the old one only while requests that reply there are open; `retain_s` later it deletes it
     (resumed streams read old chunks back until then; `UNRESUMABLE_RETAIN_S` when no stream that replied
-    there was resumable, which under ordinary traffic is most topics): the embedded broker's fetches slow down as a
-    partition grows (docs/architecture.md, broker quirk "slow long partitions"). A Kafka cluster does
+    there was resumable, which under ordinary traffic is most topics): the embedded broker's fetches slow
+    down as a partition grows (docs/architecture.md, broker quirk "slow long partitions"). A Kafka cluster does
     not need the roll, and `roll_records=0` turns it off.
     """
 

@@ -203,19 +203,20 @@ class FairQueue:
         now = time.monotonic()
         prio = self._priorities()
         best = min((p for t, p in prio.items() if self._active(t, now)), default=None)
-        full: list[bool] = []  # the slots are read once, and only if a tenant is behind the best
+        full: bool | None = None  # the slots are read once, and only if a tenant is behind the best
 
         def held(tenant: str) -> bool:
+            nonlocal full
             if best is None or prio[tenant] <= best:
                 return False  # the reserve is its own (or a single tenant is active: nothing is reserved)
-            if not full:
+            if full is None:
                 slots = self._slots()
                 # The best tenants' own requests count too: the reserve stays free for their next one (kept
                 # at R per worker it would be taken, at 1 request/s of ~1 s each, by one of theirs a third
                 # of the time).
-                held = sum(len(requests) for requests in self.inflight.values())
-                full.append(slots is not None and held + slots.others >= slots.unreserved)
-            return full[0]
+                inflight = sum(len(requests) for requests in self.inflight.values())
+                full = slots is not None and inflight + slots.others >= slots.unreserved
+            return full
 
         return held
 

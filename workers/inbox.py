@@ -103,8 +103,9 @@ class Inbox:
 
     async def _pace(self) -> Poll | None:
         # Every fetch the embedded broker parks wakes it and this process when the wait ends (it answers a
-        # parked fetch only then): on the cores a CPU engine's threads step on, a 5 ms poll costs the engine
-        # a fifth of its throughput (docs/benchmarks.md, "The engine's environment").
+        # parked fetch only then), on the cores a CPU engine's threads step on: the stack's 5 ms readers
+        # together cost a vLLM worker up to a fifth of its throughput (docs/benchmarks.md, "The engine's
+        # environment"); this one is the worker's own.
         serving = self._serving
         self.reader.set_fetch_wait(
             fetch_wait_ms(self._base_wait_ms, self._busy_wait_ms, len(serving) > 0, serving.step_s)
