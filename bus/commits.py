@@ -23,7 +23,8 @@ async def commit_within(
     """
     task = asyncio.ensure_future(consumer.commit(offsets))
     try:
-        await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await asyncio.shield(task)
     except TimeoutError:
         task.cancel()
         raise

@@ -111,8 +111,10 @@ async def positions_and_ends(consumer: AIOKafkaConsumer) -> list[tuple[TopicPart
             continue
         try:
             # position() waits (up to the request timeout) while a position is being reset; a check
-            # must never hold up the reader it watches.
-            position = await asyncio.wait_for(consumer.position(tp), 0.05)
+            # must never hold up the reader it watches. Not asyncio.wait_for: on Python 3.11 it swallows a
+            # cancel that lands just as the awaited call finishes, and the loop running this check goes on.
+            async with asyncio.timeout(0.05):
+                position = await consumer.position(tp)
         except (TimeoutError, IllegalStateError):
             continue
         out.append((tp, position, end))

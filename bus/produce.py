@@ -39,7 +39,8 @@ async def refresh_metadata(producer: AIOKafkaProducer, timeout_s: float = 5.0) -
     quirk "stale producer metadata"); the frontend's delivery check is the safety net.
     """
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(producer.client.force_metadata_update(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await producer.client.force_metadata_update()
 
 
 def forget_topics(producer: AIOKafkaProducer, stale: Callable[[str], bool]) -> None:

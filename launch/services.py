@@ -77,7 +77,8 @@ class Child:
         if self._relay.done():
             fut.set_exception(RuntimeError(f"{self.name} exited with code {self.proc.returncode}"))
         try:
-            return await asyncio.wait_for(fut, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await fut
         except TimeoutError:
             raise TimeoutError(f"{self.name} was not ready after {timeout_s:.0f}s; last output:\n"
                                + "\n".join(self.tail[-15:])) from None
@@ -88,14 +89,16 @@ class Child:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)
             try:
-                await asyncio.wait_for(self.proc.wait(), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await self.proc.wait()
             except TimeoutError:
                 log.warning("%s did not stop in %.0fs; killing it", self.name, timeout_s)
                 with contextlib.suppress(ProcessLookupError):
                     self.proc.kill()
                 await self.proc.wait()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._relay, 2.0)
+            async with asyncio.timeout(2.0):
+                await self._relay
         return self.proc.returncode
 
     def kill(self) -> None:

@@ -88,7 +88,8 @@ async def read_usage(kafka: str, since: float, timeout_s: float = 10.0) -> list[
         await reader.assign(starts)
         reader.run()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(read_all.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await read_all.wait()
         return out
     finally:
         await reader.stop()

@@ -145,4 +145,5 @@ class Planner:
                 self.metrics.errors.inc()
                 log.warning("planner: interval failed (%r); trying again next interval", exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval)
+                async with asyncio.timeout(interval):
+                    await stop.wait()

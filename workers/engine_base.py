@@ -175,7 +175,8 @@ async def in_daemon_thread(fn: Callable[[], object], timeout_s: float, what: str
 
     threading.Thread(target=run, name=what, daemon=True).start()
     try:
-        await asyncio.wait_for(asyncio.shield(done), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await asyncio.shield(done)
     except TimeoutError:
         logging.getLogger("ferry.engine").warning("%s did not finish within %.0fs; left behind", what, timeout_s)
         return False

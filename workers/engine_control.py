@@ -71,7 +71,8 @@ class EngineOps:
         self._heartbeat.draining = True
         await self._heartbeat.once()
         try:
-            await asyncio.wait_for(self._idle.wait(), self._grace_s)
+            async with asyncio.timeout(self._grace_s):
+                await self._idle.wait()
         except TimeoutError:
             self._heartbeat.draining = False
             self.sleeping = False

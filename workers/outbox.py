@@ -150,7 +150,8 @@ class Outbox:
     async def handed_over(self, timeout_s: float) -> None:
         """Wait (bounded) until every queued record is in the producer, whose stop() then flushes it."""
         try:
-            await asyncio.wait_for(self._queue.join(), timeout=timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._queue.join()
         except TimeoutError:
             log.warning(
                 "%d reply record(s) still queued after %.0fs; dropping them", self._queue.qsize(), timeout_s

@@ -249,7 +249,8 @@ class Worker:
     async def _until_idle(self, deadline: float) -> bool:
         """Wait until nothing is in flight, up to the monotonic `deadline`; False if requests remain."""
         try:
-            await asyncio.wait_for(self.idle.wait(), timeout=max(deadline - time.monotonic(), 0.0))
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                await self.idle.wait()
         except TimeoutError:
             return False
         return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 from aiokafka import TopicPartition
@@ -29,3 +30,36 @@ async def test_partitions_taken_away_while_the_check_awaits_are_skipped() -> Non
     consumer = SimpleNamespace(assignment=lambda: set(assigned), highwater=highwater, position=position)
     got = await positions_and_ends(consumer)  # type: ignore[arg-type]
     assert len(got) == 1 and got[0][1:] == (3, 10)
+
+
+async def test_a_check_never_swallows_the_cancellation_of_its_task() -> None:
+    # asyncio.wait_for (Python 3.11) returns the inner result when the cancel lands after the inner
+    # awaitable finished and before the waiter resumed: a refresh loop checking its reader's lag then ran
+    # on after WorkerPool.stop cancelled it, and the frontend never stopped (test_overload's teardown).
+    tps = {TopicPartition("t", p) for p in range(4)}
+
+    async def position(tp: TopicPartition) -> int:
+        await asyncio.sleep(0)  # (as a position being resolved does)
+        return 3
+
+    consumer = SimpleNamespace(assignment=lambda: set(tps), highwater=lambda tp: 10, position=position)
+
+    running = [True]  # (so that a loop whose cancel was swallowed still ends with the test)
+
+    async def check_forever() -> None:
+        while running[0]:
+            await positions_and_ends(consumer)  # type: ignore[arg-type]
+
+    swallowed = []
+    try:
+        for steps in range(12):  # the cancel lands at every point of a check
+            task = asyncio.create_task(check_forever())
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=1.0)
+            if not (done and task.cancelled()):
+                swallowed.append(steps)
+    finally:
+        running[0] = False
+    assert not swallowed, f"cancels swallowed after {swallowed} steps"
