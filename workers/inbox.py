@@ -19,6 +19,7 @@ from schemas.kafka import (
     EngineControl,
     GenerateRequest,
     LoadLora,
+    Release,
     RequestMessage,
     UnloadLora,
     request_decoder,
@@ -199,7 +200,7 @@ class Inbox:
                     # Redelivered (a producer retry, a re-read after a restart): already running or done.
                     self._metrics.requests.labels("duplicate").inc()
                     return
-                if msg.request_id in self._serving:
+                if msg.request_id in self._serving and not msg.parked:
                     await self._serving.supersede(msg)
                 if msg.deadline and msg.deadline < time.time():
                     log.info("request %s arrived after its deadline; skipped", msg.request_id)
@@ -208,9 +209,15 @@ class Inbox:
                 self._seen[key] = None
                 if len(self._seen) > SEEN_REQUESTS:
                     self._seen.popitem(last=False)
+                if msg.parked:
+                    # A decode-first hand-off's attempt: it starts on its prefill worker's Release.
+                    self._serving.parking.park(msg)
+                    return
                 self._serving.start(msg)
+            case Release():
+                self._serving.parking.release(msg)
             case Cancel():
-                await self._serving.cancel(msg.request_id)
+                await self._serving.cancel(msg.request_id, msg.attempt)
             case LoadLora() | UnloadLora() | EngineControl():
                 self._lora.submit(msg)
 
