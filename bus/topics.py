@@ -83,11 +83,14 @@ class RequestTopics:
 
     With `roll_s` > 0, requests to a worker go to `ferry.requests.<worker>.e<epoch>`, the epoch being
     the Unix time divided by `roll_s`: frontends and the worker agree on it without talking (their clocks
-    must agree to well within `roll_s`). The worker reads the current epoch and `LAG` before it and
-    deletes the topics behind them once read, so a partition never holds more than an epoch of requests
-    (docs/architecture.md, broker quirk "slow long partitions"); a request from a frontend whose clock runs
-    ahead waits in its topic until the worker's clock reaches that epoch. Each partition a worker reads
-    costs the embedded broker CPU on every idle fetch, hence no more. `roll_s` = 0: one topic per worker.
+    must agree to well within `roll_s`). The worker reads the current epoch and `LAG` before it, and from
+    `grace_s` into an epoch the next one as well: that is when the epoch before is deleted (once read), and
+    the next one joins in the same move, so nothing is re-assigned when the epoch turns (a consumer that
+    only found the new topic after the turn left the requests sent there waiting out its poll). A
+    partition so never holds more than about an epoch of requests (docs/architecture.md, broker quirk
+    "slow long partitions"); a request from a frontend whose clock runs ahead waits in its topic until the
+    worker reads it. Each partition a worker reads costs the embedded broker CPU on every idle fetch, hence
+    two at a time in the steady state. `roll_s` = 0: one topic per worker.
     """
 
     # Epochs behind the current one a worker still reads: records written just before the turn of the
@@ -115,20 +118,28 @@ class RequestTopics:
         return request_topic(worker_id, self.epoch())
 
     def window(self, worker_id: str) -> list[str]:
-        """The topics a worker reads now, oldest first."""
+        """The topics a worker reads now, oldest first: `LAG` epochs before the current one, the current one,
+        and the next one once `ahead_due`."""
         e = self.epoch()
         if e is None:
             return [request_topic(worker_id)]
-        return [request_topic(worker_id, n) for n in range(e - self.LAG, e + 1)]
+        last = e + 1 if self.ahead_due() else e
+        return [request_topic(worker_id, n) for n in range(e - self.LAG, last + 1)]
+
+    def ahead_due(self) -> bool:
+        """True once the next epoch is read ahead: `grace_s` into the current one, when the epoch before may
+        go (half-way through epochs shorter than two graces)."""
+        e = self.epoch()
+        return e is not None and self.clock() >= e * self.roll_s + min(self.grace_s, self.roll_s / 2)
 
     def between(self, worker_id: str, after: int, before: int) -> list[str]:
         """The rolled topics of the epochs strictly between `after` and `before`, oldest first."""
         return [request_topic(worker_id, n) for n in range(after + 1, before)]
 
     def deletable(self, topic: str) -> bool:
-        """True for a rolled topic behind the window whose epoch ended `grace_s` ago or more."""
-        t = request_epoch(topic)
-        return self.behind(topic) and t is not None and self.clock() >= (t + 1) * self.roll_s + self.grace_s
+        """True for a rolled topic of an epoch before the current one that ended `grace_s` ago or more."""
+        e, t = self.epoch(), request_epoch(topic)
+        return e is not None and t is not None and t < e and self.clock() >= (t + 1) * self.roll_s + self.grace_s
 
     def maybe_deleted(self, topic: str) -> bool:
         """True for a rolled topic its worker may have deleted by now: its epoch ended `grace_s` ago, less an
@@ -138,16 +149,11 @@ class RequestTopics:
             return False
         return self.clock() >= t * self.roll_s + self.grace_s and self.behind(topic, margin=1)
 
-    def ahead(self, worker_id: str) -> str:
-        """The topic of the next epoch (the worker creates it before anyone writes there)."""
-        e = self.epoch()
-        return request_topic(worker_id, None if e is None else e + 1)
-
     def behind(self, topic: str, margin: int = 0) -> bool:
         """True for a rolled topic older than the window (less `margin` epochs): nobody writes there any more.
 
-        A worker deletes such a topic once it has read all of it, so a writer that wants its record read
-        (a cancel following its request) asks with a margin of an epoch for the clocks' difference.
+        A worker deletes a topic of an earlier epoch once it has read all of it (`deletable`), so a writer
+        that wants its record read (a cancel following its request) asks with a margin of an epoch.
         """
         e, t = self.epoch(), request_epoch(topic)
         return e is not None and t is not None and t < e - self.LAG + margin

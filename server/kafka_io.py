@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -71,6 +72,7 @@ class Dispatcher:
         self._configs = configs
         self._bootstrap = bootstrap
         self._created: set[str] = set()  # rolled topics known to exist
+        self._creating: dict[str, asyncio.Future[None]] = {}  # rolled topics being created, by topic
         # (worker id, request id) -> the topic its request went to. Per worker: a disaggregated sequence has a
         # request on its prefill worker and one parked on its decode worker at once.
         self._sent_to: OrderedDict[tuple[str, str], str] = OrderedDict()
@@ -88,12 +90,25 @@ class Dispatcher:
                 self._producer.forget_idle(also=behind)  # its notes' replies topics too
             else:
                 forget_topics(self._producer, behind)
-            await ensure_topics(self._bootstrap, {topic: 1}, self._configs)
+            # Every request to the worker in the first moments of an epoch needs the topic: one creation
+            # for all of them, not one admin connection each.
+            creating = self._creating.get(topic)
+            if creating is None:
+                creating = self._creating[topic] = asyncio.ensure_future(
+                    ensure_topics(self._bootstrap, {topic: 1}, self._configs)
+                )
+                creating.add_done_callback(functools.partial(self._created_done, topic))
+            await asyncio.shield(creating)
             self._created = {t for t in self._created if not self.topics.behind(t)}
             self._created.add(topic)
             if not self.topics.behind(topic, margin=1):
                 return topic
             # The epoch turned more than once meanwhile (a slow broker): the worker no longer reads that one.
+
+    def _created_done(self, topic: str, creating: asyncio.Future[None]) -> None:
+        self._creating.pop(topic, None)
+        if not creating.cancelled():
+            creating.exception()  # retrieved: a caller that timed out meanwhile has its 503 already
 
     def topic_of(self, worker_id: str, request_id: str) -> str | None:
         """The topic `request_id` was sent to; None once its worker may have read and deleted that topic.

@@ -49,9 +49,10 @@ class Inbox:
 
     With `--request-roll-s`, frontends write to the topic of the current epoch of the clock (`RequestTopics`):
     the inbox reads a window of epochs plus the unrolled `ferry.requests.<worker>` (LoRA control, producers
-    that do not roll) and deletes each topic that fell behind the window once it has read and committed all
-    of it, so no partition grows for the worker's life (docs/architecture.md, broker quirk "slow long
-    partitions").
+    that do not roll) and deletes each past epoch's topic once it has read and committed all of it and its
+    grace is over, so no partition grows for the worker's life (docs/architecture.md, broker quirk "slow
+    long partitions"). The two moves of an epoch, the next topic in and the last one out, are one
+    re-assignment in mid-epoch: nothing changes when the epoch turns.
     """
 
     def __init__(
@@ -70,7 +71,7 @@ class Inbox:
         self._configs = retention(settings.kafka_request_retention_s, settings.kafka_retention_bytes)
         self._window: list[str] = []  # the rolled topics assigned now, oldest first
         self._newest: int | None = None  # the newest epoch assigned so far (None: none since open or a reset)
-        self._ahead = ""  # the next epoch's topic, once created
+        self._deleted: set[str] = set()  # topics of the window this inbox read and deleted
         self._serving = serving
         self._lora = lora
         self._metrics = metrics
@@ -120,20 +121,16 @@ class Inbox:
         await self._roll(False)
 
     async def _roll(self, got_records: bool) -> None:
-        """Read the current window of rolled topics; delete those behind it once read (after every poll)."""
+        """Read the current window of rolled topics; delete those of past epochs once read (after every poll)."""
         if self.topics.roll_s <= 0:
             return
         window = self.topics.window(self._worker_id)
-        ahead = self.topics.ahead(self._worker_id)
-        if ahead != self._ahead:
-            # Created an epoch early, so frontends never create it at the same moment as the worker (two
-            # CreateTopics racing on the embedded broker can lose what was written in between).
-            await ensure_topics(self._kafka, {ahead: 1}, self._configs)
-            self._ahead = ahead
-        fresh = [t for t in window if t not in self._window]
-        new = fresh  # the topics to assign: the fresh ones of the window, and skipped epochs
         first, newest = request_epoch(window[0]), request_epoch(window[-1])
         assert first is not None and newest is not None
+        # An epoch deleted while still in the window (read, and past its grace) is not assigned again.
+        self._deleted &= set(window)
+        fresh = [t for t in window if t not in self._window and t not in self._deleted]
+        new = fresh  # the topics to assign: the fresh ones of the window, and skipped epochs
         if self._newest is not None and self._newest + 1 < first:
             # Whole epochs went by since the last roll (a poll or a loop slower than an epoch): they were
             # never in a window, yet frontends wrote there. Read those that exist; the others were never
@@ -149,6 +146,9 @@ class Inbox:
         if not new and not behind:
             return
         if fresh:
+            # The next epoch's topic is created here, `grace_s` before frontends write there, so they never
+            # create it at the same moment as the worker (two CreateTopics racing on the embedded broker can
+            # lose what was written in between).
             await ensure_topics(self._kafka, dict.fromkeys(fresh, 1), self._configs)
         consumer = self.reader.consumer
         paused = consumer.paused()
@@ -180,6 +180,7 @@ class Inbox:
             except KafkaError as exc:
                 log.warning("could not delete read request topics %s: %r", done, exc)
             else:
+                self._deleted.update(done)
                 log.info("requests: deleted read topics %s", done)
 
     async def _handle(self, batch: Batch[RequestMessage]) -> None:
@@ -188,6 +189,7 @@ class Inbox:
 
     async def _reset(self, rewound: list[TopicPartition]) -> None:
         self._window = []  # the broker lost the topics too: create the window again
+        self._deleted.clear()
         self._newest = None
         await self._on_log_lost()
 

@@ -131,6 +131,35 @@ async def test_a_topic_behind_the_window_is_kept_until_its_requests_are_read(h: 
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 5
 
 
+async def test_the_next_epoch_is_read_before_the_clock_turns_and_nothing_moves_at_the_turn(
+    h: Harness, kafka: str
+) -> None:
+    # Frontends write to the new epoch's topic from the moment the clock turns; a worker that only then
+    # assigned it left those requests waiting out its poll (a stall at every turn under load).
+    roll_s = 1000.0  # the test moves the clocks
+    now = [1_000_500.0]  # half-way through an epoch: past the grace of the one before
+    w = await h.add_worker(request_roll_s=roll_s)
+    fe, url = await h.add_frontend(request_roll_s=roll_s)
+    inbox = w.worker._inbox
+    inbox.topics.clock = fe.svc.dispatcher.topics.clock = lambda: now[0]
+    wid = w.worker.settings.worker_id
+    epoch = inbox.topics.epoch()
+    assert epoch is not None
+    following = request_topic(wid, epoch + 1)
+    # (the epoch before is read and deleted meanwhile)
+    settled = lambda: following in inbox._window and not any(map(inbox.topics.deletable, inbox._window))  # noqa: E731
+    await until(lambda: _async(settled()), 10, 0.05)
+    window, assigned = list(inbox._window), set(inbox.reader.consumer.assignment())
+    assert TopicPartition(following, 0) in assigned
+    now[0] = (epoch + 1) * roll_s + 1.0  # the turn
+    body = {"model": MODEL, "prompt": "Count", "max_tokens": 5, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        answer = await c.post("/v1/completions", json=body)
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 5
+    assert following in fe.svc.dispatcher._sent_to.values()
+    assert inbox._window == window and set(inbox.reader.consumer.assignment()) == assigned
+
+
 async def test_requests_in_epochs_the_worker_rolled_past_are_read_and_only_written_epochs_exist(
     h: Harness, kafka: str
 ) -> None:
@@ -149,27 +178,29 @@ async def test_requests_in_epochs_the_worker_rolled_past_are_read_and_only_writt
     epoch = inbox.topics.epoch()
     assert epoch is not None
     current, ahead = request_topic(wid, epoch), request_topic(wid, epoch + 1)
-    await until(lambda: _async(current in inbox._window and inbox._ahead == ahead), 10, 0.05)
-    # The frontend's clock reaches the next epoch first (within the clocks' tolerance): its request waits
-    # in the topic the worker created ahead.
-    fe_now[0] += roll_s
+    # (without grace the next epoch is read ahead at once)
+    await until(lambda: _async(current in inbox._window and ahead in inbox._window), 10, 0.05)
+    # The frontends move on two epochs while the worker's loop is stuck: the request goes to a topic that
+    # was never in the worker's window.
+    skipped = request_topic(wid, epoch + 2)
+    fe_now[0] += 2 * roll_s
     body = {"model": MODEL, "prompt": "Count", "max_tokens": 5, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
         call = asyncio.create_task(c.post("/v1/completions", json=body))
-        await until(lambda: _async(ahead in fe.svc.dispatcher._sent_to.values()), 10, 0.02)
-        # The worker's next roll comes four epochs later (its window: the fourth and the one before):
-        # neither `ahead` nor the epoch after it was ever in its window.
-        now[0] += 4 * roll_s
+        await until(lambda: _async(skipped in fe.svc.dispatcher._sent_to.values()), 10, 0.02)
+        # The worker's next roll comes five epochs later (its window: the fifth, the one before and the one
+        # after): neither `skipped` nor the epoch after it was ever in its window.
+        now[0] += 5 * roll_s
         fe_now[0] = now[0]
         answer = await asyncio.wait_for(call, 20)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 5
 
         async def deleted() -> bool:
-            return ahead not in await topics(kafka)
+            return skipped not in await topics(kafka)
 
-        await until(deleted, 20, 0.1)  # read, so deleted like any epoch behind the window
+        await until(deleted, 20, 0.1)  # read, so deleted like any past epoch
         # The skipped epoch nobody wrote to was looked for without being created.
-        assert request_topic(wid, epoch + 2) not in await topics(kafka)
+        assert request_topic(wid, epoch + 3) not in await topics(kafka)
         again = await c.post("/v1/completions", json=body)
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 5
 
