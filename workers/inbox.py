@@ -44,6 +44,13 @@ def fetch_wait_ms(base_ms: int, busy_cap_ms: int, busy: bool, step_s: float) -> 
     return max(base_ms, min(int(step_s * 500), busy_cap_ms))
 
 
+def busy_wait_cap_ms(role: str, busy_fetch_wait_ms: int) -> int:
+    """The cap of a busy inbox's fetch wait: none (0) on a decode worker, whose requests are hand-offs on the
+    token path: a release read late by a paced fetch often misses the engine's next step boundary, a whole
+    decode step more in the gap after the first token (docs/benchmarks.md, "Disaggregated serving")."""
+    return 0 if role == "decode" else busy_fetch_wait_ms
+
+
 class Inbox:
     """Reads the worker's own topics and hands each message to serving or LoRA control.
 
@@ -101,7 +108,7 @@ class Inbox:
             ),
         )
         self._base_wait_ms = settings.kafka_fetch_wait_ms
-        self._busy_wait_ms = settings.busy_fetch_wait_ms
+        self._busy_wait_ms = busy_wait_cap_ms(settings.role, settings.busy_fetch_wait_ms)
 
     async def _pace(self) -> Poll | None:
         # Every fetch the embedded broker parks wakes it and this process when the wait ends (it answers a
