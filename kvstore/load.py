@@ -46,12 +46,16 @@ class WorkerLoad:
     prefill_tokens: int = 0
     decode_blocks: int = 0
     sequences: int = 0
+    # Blocks the worker's decode steps read: every decoding sequence's prompt blocks, a prefix that several
+    # share once per sequence (decode_blocks counts it once, as the engine stores it).
+    read_blocks: int = 0
 
     def add(self, other: WorkerLoad) -> None:
         """Accumulate `other` into this load."""
         self.prefill_tokens += other.prefill_tokens
         self.decode_blocks += other.decode_blocks
         self.sequences += other.sequences
+        self.read_blocks += other.read_blocks
 
 
 class LoadBoard:
@@ -66,12 +70,15 @@ class LoadBoard:
         args: list[str | int] = [frontend_id, int(ttl_s * 1000)]
         for wid, load in mine.items():
             if load.sequences:
-                args += (wid, f"{load.prefill_tokens}:{load.decode_blocks}:{load.sequences}")
+                fields = (load.prefill_tokens, load.decode_blocks, load.sequences, load.read_blocks)
+                args += (wid, ":".join(map(str, fields)))
         flat = await self._exchange(keys=[self._keys.frontends(), self._keys.load("")], args=args)
         out: dict[str, WorkerLoad] = {}
         it = iter(flat)
         for wid_raw, value in zip(it, it, strict=True):
             wid = wid_raw.decode() if isinstance(wid_raw, bytes) else wid_raw
-            p, d, n = (int(x) for x in (value.decode() if isinstance(value, bytes) else value).split(":"))
-            out.setdefault(wid, WorkerLoad()).add(WorkerLoad(p, d, n))
+            text = value.decode() if isinstance(value, bytes) else value
+            p, d, n, *read = (int(x) for x in text.split(":"))
+            # A frontend from before read_blocks sends three fields: no rereads known, read = decode.
+            out.setdefault(wid, WorkerLoad()).add(WorkerLoad(p, d, n, read[0] if read else d))
         return out

@@ -189,6 +189,13 @@ class RouterSettings:
         default="distinct",
         metadata=_help("kv: charge decode load per distinct block (as engines store it) or per sequence"),
     )
+    decode_reread_weight: float = dataclasses.field(
+        default=0.1,
+        metadata=_help(
+            "kv, --decode-load distinct: weight of the blocks decode steps read again (a prefix several "
+            "decoding sequences share, read once per sequence); 0 = none, 1 = as --decode-load sequences"
+        ),
+    )
     busy_kv_usage: float = dataclasses.field(
         default=0.95, metadata=_help("skip workers whose KV usage is at least this")
     )

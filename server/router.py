@@ -3,15 +3,19 @@
 `kv` (default) weighs how much of the prompt a worker already caches against its load:
 
     prefill_blocks(w) = (in-flight prefill tokens of w + prompt tokens) / block_size - overlap(w)
-    decode_blocks(w)  = active decode blocks of w + prompt blocks
+    decode_blocks(w)  = active decode blocks of w + reread * rereads(w) + prompt blocks
     cost(w)           = overlap_weight * prefill_blocks(w) + decode_blocks(w)
 
 Decode load (`decode_load`) counts each distinct block once by default, as the engine stores it: sequences
 sharing a prefix on one worker share its blocks, so a worker caching a popular prefix is not charged for it
-once per sequence and the next request on that prefix is not pushed away from its cache. `sequences`
-charges every sequence all its blocks, closer to what an engine's decode step reads (its time grows with
-the sum of the context lengths); on the conversation trace it lost a quarter of the cache hits and had a
-worse TTFT at every rate (docs/benchmarks.md, Routing), so it stays an option, not the default.
+once per sequence and the next request on that prefix is not pushed away from its cache. But an engine's
+decode step reads every sequence's whole context (its time grows with the sum of the context lengths), a
+shared prefix once per sequence: rereads(w) counts those extra reads, at `decode_reread_weight` (0.1), and
+a new sequence's blocks that decoding sequences on w already hold count at that weight too. Without it a
+worker that took a long conversation's turns looked no busier than the others while its steps read 5x what
+the router counted, and requests there could not finish (docs/benchmarks.md, "A quiet fleet"). `sequences`
+charges every sequence all its blocks in full; on the conversation trace it lost a quarter of the cache
+hits and had a worse TTFT at every rate (docs/benchmarks.md, Routing), so it stays an option.
 
 overlap(w) counts a block on w's device pool as 1 and one only on its host offload tier (it must be loaded back
 first) as `host_block_weight` (0.75, Dynamo's default); it is the larger of what the KV index says w caches and (`inflight_overlap`, default) the leading
@@ -285,13 +289,18 @@ class Router:
     ) -> tuple[WorkerStatus, tuple[int, int]]:
         weight = self.config.overlap_weight
         distinct = self.config.decode_load == "distinct"
+        reread = self.config.decode_reread_weight
         costs: list[float] = []
         best: dict[str, tuple[int, int]] = {}
         for w in workers:
             wid = w.worker_id
             local, remote = self.local.get(wid), self.remote.get(wid)
             pending = (local.prefill_tokens if local else 0) + (remote.prefill_tokens if remote else 0)
-            decoding = (local.decode_blocks if local else 0) + (remote.decode_blocks if remote else 0)
+            decoding: float = (local.decode_blocks if local else 0) + (remote.decode_blocks if remote else 0)
+            if distinct and reread:
+                # What w's decode steps read beyond the distinct blocks: a shared prefix once more per sequence.
+                reads = (local.read_blocks if local else 0) + (remote.read_blocks if remote else 0)
+                decoding += reread * max(0, reads - decoding)
             active = self.active_blocks.get(wid)
             # Blocks of this prompt that active sequences on w already hold: a leading run of the chain (a
             # chained hash held implies its whole prefix is held). Those held by decoding sequences add no
@@ -307,7 +316,8 @@ class Router:
                 tiers, overlap = (shared, 0), shared
             best[wid] = tiers
             prefill_blocks = (pending + prompt_tokens) / w.block_size - overlap
-            new_decode = decode_blocks - shared_decoding if distinct else decode_blocks
+            # Its blocks already held by decoding sequences there take no memory, but each step reads them again.
+            new_decode = decode_blocks - (1.0 - reread) * shared_decoding if distinct else decode_blocks
             costs.append(weight * prefill_blocks + decoding + new_decode)
         lo, hi = min(costs), max(costs)
         t = self.config.router_temperature
@@ -334,6 +344,7 @@ class Router:
         load = self.local.setdefault(d.worker_id, WorkerLoad())
         load.prefill_tokens += d.prefill_tokens
         load.sequences += 1
+        load.read_blocks += d.decode_blocks
         added = d.decode_blocks
         if d.blocks:
             self.active_blocks.setdefault(d.worker_id, Counter()).update(d.blocks)
@@ -365,6 +376,7 @@ class Router:
         if not d.prefilled:
             load.prefill_tokens -= d.prefill_tokens
         load.sequences -= 1
+        load.read_blocks -= d.decode_blocks
         removed = d.decode_blocks
         if d.blocks:
             _release(self.active_blocks.get(d.worker_id), d.blocks)

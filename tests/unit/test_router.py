@@ -146,6 +146,48 @@ async def test_sequence_decode_load_charges_every_sequence_its_blocks() -> None:
     assert r.local == {} and r.active_blocks == {}
 
 
+@pytest.mark.parametrize(("reread", "winner"), [(None, "a"), (0.0, "b")], ids=["default", "distinct-only"])
+async def test_decode_load_sees_a_shared_prefix_read_once_per_sequence(
+    reread: float | None, winner: str
+) -> None:
+    # b decodes 4 sequences on one 9-block prefix: 13 distinct blocks, but each step reads 40. a decodes one
+    # sequence of 14 blocks of its own. (At trace rate 14 one worker took a long conversation's turns this way
+    # until its steps read 5x what the router counted, and requests there could not finish.)
+    r = (
+        _router(index=FakeIndex({}))
+        if reread is None
+        else _router(index=FakeIndex({}), decode_reread_weight=reread)
+    )
+    shared = [PROMPT[:144] + [50_000 + i] * 16 for i in range(4)]
+    for p in shared:
+        d = await r.choose("m", [_w("b")], PromptMemo(p))
+        r.started(d)
+        r.prefilled(d)
+    r.started(d := await r.choose("m", [_w("a")], PromptMemo(list(range(9000, 9224)))))
+    r.prefilled(d)
+    # An unrelated prompt, 10 blocks: a = 10 + 14 + 10 = 34; b = 10 + 13 + 0.1 * (40 - 13) + 10 = 35.7
+    # (33 counting distinct blocks only, which sends it to the worker whose steps are slower).
+    assert (
+        await r.choose("m", [_w("a"), _w("b")], PromptMemo(list(range(20_000, 20_160))))
+    ).worker_id == winner
+    assert (r.local["a"].decode_blocks, r.local["a"].read_blocks) == (14, 14)
+    assert (r.local["b"].decode_blocks, r.local["b"].read_blocks) == (13, 40)
+
+
+async def test_a_turn_of_a_shared_prefix_still_goes_to_its_holder() -> None:
+    # The next sequence on b's prefix is charged the rereads of its 9 shared blocks (0.9), not their memory:
+    # b = 1 to prefill + 13 + 2.7 + (10 - 9 + 0.9) = 18.6 against a = 10 + 14 + 10 = 34.
+    r = _router(index=FakeIndex({}))
+    for i in range(4):
+        r.started(d := await r.choose("m", [_w("b")], PromptMemo(PROMPT[:144] + [50_000 + i] * 16)))
+        r.prefilled(d)
+    r.started(d := await r.choose("m", [_w("a")], PromptMemo(list(range(9000, 9224)))))
+    r.prefilled(d)
+    assert (
+        await r.choose("m", [_w("a"), _w("b")], PromptMemo(PROMPT[:144] + [60_000] * 16))
+    ).worker_id == "b"
+
+
 @pytest.mark.parametrize("inflight_overlap", [True, False])
 async def test_kv_counts_blocks_still_being_prefilled_as_held(inflight_overlap: bool) -> None:
     # The index knows nothing yet: the first turn is still in prefill when the second turn arrives.
