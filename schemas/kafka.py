@@ -88,12 +88,18 @@ class GenerateRequest(msgspec.Struct, tag="generate", omit_defaults=True, frozen
     # reason, as the sequence goes on on a decode worker; that worker's attempt names the KV's source.
     prefill_only: bool = False
     kv_from: KVFrom | None = None
+    # Decode-first hand-off: the prefill-only attempt sends its token straight to this decode worker (a
+    # `Release`), which holds this sequence's next attempt parked; that attempt is `parked` until released.
+    release_to: str = ""
+    parked: bool = False
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True):
     """Abort one request; sent when the client goes away."""
 
     request_id: str
+    # Only this attempt of it (running or parked); -1: whichever runs.
+    attempt: int = -1
 
 
 class LoadLora(msgspec.Struct, tag="lora_load", frozen=True):
@@ -123,9 +129,6 @@ class EngineControl(msgspec.Struct, tag="engine_control", frozen=True):
     reply_topic: str
     # vLLM's sleep level: 1 offloads the weights and drops the KV cache, 2 drops both.
     level: int = 1
-
-
-RequestMessage = GenerateRequest | Cancel | LoadLora | UnloadLora | EngineControl
 
 
 class ErrorInfo(msgspec.Struct, frozen=True):
@@ -189,6 +192,20 @@ class Chunks(msgspec.Struct, tag="chunks", frozen=True):
 
 
 ReplyMessage = Chunk | Chunks
+
+
+class Release(msgspec.Struct, tag="release", frozen=True):
+    """A prefill worker's word to a decode worker: the parked `attempt` of `request_id` starts now, after
+    `chunk` (the prefill worker's token, which the decode worker sends again as its attempt's first chunk, so
+    the frontend gets it from whichever attempt lands first), with the prompt's KV from `kv_from`."""
+
+    request_id: str
+    attempt: int
+    chunk: Chunk
+    kv_from: KVFrom
+
+
+RequestMessage = GenerateRequest | Cancel | LoadLora | UnloadLora | EngineControl | Release
 
 
 def chunks_of(message: ReplyMessage) -> list[Chunk]:

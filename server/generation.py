@@ -164,6 +164,13 @@ class Generation:
                 request = self.request_for(seq)
                 offset = await self.svc.dispatcher.submit(seq.worker_id, request)
                 self.mover.watch(seq, request, offset)
+                if seq.handoff is not None and seq.kv_from is not None:
+                    # Decode-first: the decode attempt waits parked on its worker for the prefill worker's
+                    # Release, so the hand-off skips this frontend (server/migration.py, Mover._hand_over).
+                    parked = self.request_for(seq, [], seq.kv_from, attempt=1, parked=True)
+                    seq.claimed = 1
+                    seq.parked = parked
+                    seq.parked_offset = await self.svc.dispatcher.submit(seq.handoff.worker_id, parked)
         except BaseException:
             self.resumable = False
             await self.close()
@@ -195,9 +202,11 @@ class Generation:
         generated: list[int] | None = None,
         kv_from: KVFrom | None = None,
         attempt: int | None = None,
+        parked: bool = False,
     ) -> GenerateRequest:
         """The GenerateRequest of one sequence; with `generated`, of its next attempt, `attempt` (`kv_from`: the
-        attempt that continues a prefill worker's). A first attempt bound for a prefill worker asks for one token."""
+        attempt that continues a prefill worker's; `parked`: one that waits for its release). A first attempt bound
+        for a prefill worker asks for one token, and releases the decode attempt parked for it."""
         p = self.prepared
         prior = generated or []
         prefill_only = generated is None and seq.handoff is not None
@@ -217,6 +226,8 @@ class Generation:
             seq_base=seq.next_seq,
             prefill_only=prefill_only,
             kv_from=kv_from,
+            release_to=seq.handoff.worker_id if prefill_only and seq.handoff is not None else "",
+            parked=parked,
         )
 
     async def choose(self, memo: PromptMemo) -> Decision:
@@ -327,7 +338,19 @@ class Generation:
             self.svc.router.finished(seq.decision)
             if seq.handoff is not None:  # ended before it reached its decode worker
                 self.svc.router.finished(seq.handoff)
+                self.discard_parked(seq, seq.handoff.worker_id)
                 seq.handoff = None
+
+    def discard_parked(self, seq: Sequence, worker_id: str) -> None:
+        """Drop the decode attempt parked for `seq` on `worker_id` (a Cancel of that attempt only: the sequence
+        may move to that same worker as a newer attempt)."""
+        parked, seq.parked = seq.parked, None
+        if parked is None:
+            return
+        # Owned by the frontend, not this generation: closing it must not drop the Cancel.
+        task = asyncio.create_task(self.svc.dispatcher.cancel(worker_id, seq.request_id, parked.attempt))
+        self.svc.detached.add(task)
+        task.add_done_callback(self.svc.detached.discard)
 
     def fail(self, seq: Sequence, message: str, code: str = "worker_died") -> None:
         """End a sequence with a (retriable) error of the frontend's own, and stop its worker on it."""

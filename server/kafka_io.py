@@ -73,7 +73,9 @@ class Dispatcher:
         self._bootstrap = bootstrap
         self._created: set[str] = set()  # rolled topics known to exist
         self._creating: dict[str, asyncio.Future[None]] = {}  # rolled topics being created, by topic
-        self._sent_to: OrderedDict[str, str] = OrderedDict()  # request id -> the topic its request went to
+        # (worker id, request id) -> the topic its request went to. Per worker: a disaggregated sequence has a
+        # request on its prefill worker and one parked on its decode worker at once.
+        self._sent_to: OrderedDict[tuple[str, str], str] = OrderedDict()
 
     async def _topic(self, worker_id: str) -> str:
         """The topic a request to `worker_id` goes to now, created if this frontend has not yet."""
@@ -114,7 +116,7 @@ class Dispatcher:
         Not as soon as the topic falls behind the worker's window: at short epochs every topic is behind
         by the time a request is looked up, and a request the broker lost there would never be sent again.
         """
-        topic = self._sent_to.get(request_id) or self.topics.current(worker_id)
+        topic = self._sent_to.get((worker_id, request_id)) or self.topics.current(worker_id)
         return None if self.topics.maybe_deleted(topic) else topic
 
     async def submit(self, worker_id: str, request: GenerateRequest, cancel_on_timeout: bool = True) -> int:
@@ -153,8 +155,8 @@ class Dispatcher:
         if not self._broker_ok:
             log.info("Kafka is taking requests again")
             self._broker_ok = True
-        self._sent_to[request.request_id] = topic
-        self._sent_to.move_to_end(request.request_id)
+        self._sent_to[(worker_id, request.request_id)] = topic
+        self._sent_to.move_to_end((worker_id, request.request_id))
         if len(self._sent_to) > SENT_REMEMBERED:
             self._sent_to.popitem(last=False)
         self._metrics.kafka_produce_seconds.observe(time.perf_counter() - t0)
@@ -181,9 +183,10 @@ class Dispatcher:
                 retry_after=2,
             ) from exc
 
-    async def cancel(self, worker_id: str, request_id: str) -> None:
-        """Ask a worker to abort a request; best effort (the worker also drops late requests)."""
-        topic = self._sent_to.get(request_id)
+    async def cancel(self, worker_id: str, request_id: str, attempt: int = -1) -> None:
+        """Ask a worker to abort a request (only its `attempt`, if given, running or parked); best effort (the
+        worker also drops late requests)."""
+        topic = self._sent_to.get((worker_id, request_id))
         try:
             # Behind the cancel goes to the current topic: its request was read long ago, and a topic behind
             # the worker's window may be gone.
@@ -191,7 +194,7 @@ class Dispatcher:
                 topic = await self._topic(worker_id)
             await self._producer.send(
                 topic,
-                request_encoder.encode(Cancel(request_id)),
+                request_encoder.encode(Cancel(request_id, attempt)),
                 key=request_id.encode(),
                 partition=0,
             )

@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import msgspec
 from aiokafka import AIOKafkaProducer
 
 from bus.produce import refresh_metadata
@@ -360,6 +361,9 @@ class Mover:
         svc, req = self._svc, self._req
         seq.moved_from = ""
         worker_id = seq.decision.worker_id
+        if seq.parked is not None:
+            await self._released(seq, worker_id)
+            return
         log.debug("handing %s over to worker %s (attempt %d)", seq.request_id, worker_id, target)
         request = req.request_for(seq, list(seq.token_ids), kv_from, attempt=target)
         seq.claimed = target  # from here the worker may run it, whether or not the sends below succeed
@@ -385,6 +389,27 @@ class Mover:
         # gets a first attempt's delivery check, not a move's timer.
         self.watch(seq, request, offset)
 
+    async def _released(self, seq: Sequence, worker_id: str) -> None:
+        """A decode-first hand-off: the prefill worker released the attempt parked on the decode worker itself,
+        along with the token that got here; only its marker is left to write (as in `_hand_over`, it may land
+        after the attempt's first chunks), and the attempt is watched as a first one."""
+        svc = self._svc
+        parked, seq.parked = seq.parked, None
+        assert parked is not None
+        log.debug("%s: released to worker %s (attempt %d)", seq.request_id, worker_id, parked.attempt)
+        try:
+            await self._while_broker_away(
+                lambda: svc.dispatcher.note(
+                    self._req.reply_topic, marker(seq.request_id, parked.attempt, worker_id)
+                )
+            )
+        except APIError as exc:
+            self._fail(seq, f"handing the sequence over to worker {worker_id} failed: {exc.message}")
+            return
+        svc.metrics.migrations.labels(seq.move_reason, "moved").inc()
+        # Its chunks continue after the token(s) that got here (the released one, from either worker).
+        self.watch(seq, msgspec.structs.replace(parked, seq_base=seq.next_seq), seq.parked_offset)
+
     def _take_handoff(self, seq: Sequence) -> tuple[Decision | None, KVFrom | None]:
         """For a disaggregated sequence's hand-off (its prefill worker's token arrived): the decode worker it
         moves to if that is still live, and the KV to receive if its prefill worker is. A hand-off pending on
@@ -393,6 +418,11 @@ class Mover:
         if handoff is None:
             return None, None
         live = {w.worker_id for w in self._svc.pool.live(self._req.model)}
+        if seq.parked is not None and seq.token_ids and seq.kv_from and handoff.worker_id in live:
+            # Decode-first: the prefill worker released the parked attempt with the token (it may have left since).
+            return handoff, seq.kv_from
+        if seq.parked is not None:
+            self._req.discard_parked(seq, handoff.worker_id)
         source = seq.kv_from if seq.token_ids and seq.kv_from and seq.kv_from.worker_id in live else None
         if source is not None and handoff.worker_id in live:
             return handoff, source

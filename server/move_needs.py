@@ -49,6 +49,10 @@ class MovingRequest(Protocol):
         """The GenerateRequest of one sequence; with `generated`, of its next attempt (`attempt`)."""
         ...
 
+    def discard_parked(self, seq: Sequence, worker_id: str) -> None:
+        """Drop the decode attempt parked for `seq` on `worker_id`."""
+        ...
+
     def fail(self, seq: Sequence, message: str, code: str = "worker_died") -> None:
         """End a sequence with an error of the frontend's own."""
         ...

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from schemas.kafka import Chunk, ErrorInfo, KVFrom
+from schemas.kafka import Chunk, ErrorInfo, GenerateRequest, KVFrom
 from schemas.streams import ToolCallMode
 from server.metrics import FrontendMetrics
 from server.router import Decision
@@ -79,6 +79,10 @@ class Sequence:
     kv_from: KVFrom | None = None
     placement: str = "off"
     decode_worker: str = ""
+    # The decode attempt sent ahead to the `handoff` worker, parked there until the prefill worker releases it
+    # (decode-first hand-off, workers/parking.py), and its offset in that worker's topic; None once handed off.
+    parked: GenerateRequest | None = None
+    parked_offset: int = -1
 
     @property
     def worker_id(self) -> str:

@@ -19,6 +19,7 @@ from schemas.kafka import (
     EngineControl,
     GenerateRequest,
     LoadLora,
+    Release,
     RequestMessage,
     UnloadLora,
     request_decoder,
@@ -41,6 +42,13 @@ def fetch_wait_ms(base_ms: int, busy_cap_ms: int, busy: bool, step_s: float) -> 
     if not busy or busy_cap_ms <= base_ms:
         return base_ms
     return max(base_ms, min(int(step_s * 500), busy_cap_ms))
+
+
+def busy_wait_cap_ms(role: str, busy_fetch_wait_ms: int) -> int:
+    """The cap of a busy inbox's fetch wait: none (0) on a decode worker, whose requests are hand-offs on the
+    token path: a release read late by a paced fetch often misses the engine's next step boundary, a whole
+    decode step more in the gap after the first token (docs/benchmarks.md, "Disaggregated serving")."""
+    return 0 if role == "decode" else busy_fetch_wait_ms
 
 
 class Inbox:
@@ -100,7 +108,7 @@ class Inbox:
             ),
         )
         self._base_wait_ms = settings.kafka_fetch_wait_ms
-        self._busy_wait_ms = settings.busy_fetch_wait_ms
+        self._busy_wait_ms = busy_wait_cap_ms(settings.role, settings.busy_fetch_wait_ms)
 
     async def _pace(self) -> Poll | None:
         # Every fetch the embedded broker parks wakes it and this process when the wait ends (it answers a
@@ -201,7 +209,7 @@ class Inbox:
                     # Redelivered (a producer retry, a re-read after a restart): already running or done.
                     self._metrics.requests.labels("duplicate").inc()
                     return
-                if msg.request_id in self._serving:
+                if msg.request_id in self._serving and not msg.parked:
                     await self._serving.supersede(msg)
                 if msg.deadline and msg.deadline < time.time():
                     log.info("request %s arrived after its deadline; skipped", msg.request_id)
@@ -210,9 +218,15 @@ class Inbox:
                 self._seen[key] = None
                 if len(self._seen) > SEEN_REQUESTS:
                     self._seen.popitem(last=False)
+                if msg.parked:
+                    # A decode-first hand-off's attempt: it starts on its prefill worker's Release.
+                    self._serving.parking.park(msg)
+                    return
                 self._serving.start(msg)
+            case Release():
+                self._serving.parking.release(msg)
             case Cancel():
-                await self._serving.cancel(msg.request_id)
+                await self._serving.cancel(msg.request_id, msg.attempt)
             case LoadLora() | UnloadLora() | EngineControl():
                 self._lora.submit(msg)
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from schemas.kafka import Chunk, Chunks, GenerateRequest, LoraAck, request_encoder
+from schemas.kafka import Chunk, Chunks, GenerateRequest, LoraAck, Release, request_encoder
 from workers.metrics import WorkerMetrics
 
 log = logging.getLogger("ferry.worker")
@@ -108,6 +108,10 @@ class Outbox:
     def send_final_nowait(self, req: GenerateRequest, chunk: Chunk) -> None:
         """Queue a request's last chunk from a task being cancelled (no await allowed, no coalescing)."""
         self._queue.put_nowait(Reply(req.reply_topic, chunk))
+
+    async def send_request(self, topic: str, release: Release) -> None:
+        """Queue a message for another worker's requests topic (a decode-first hand-off's release)."""
+        await self._queue.put(Outgoing(topic, release.request_id.encode(), request_encoder.encode(release)))
 
     async def send_ack(self, topic: str, ack: LoraAck) -> None:
         """Queue the answer to a LoRA operation for the asking frontend's admin topic."""

@@ -10,10 +10,12 @@ from collections.abc import AsyncIterator, Callable
 
 import msgspec
 
-from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, FinishReason, GenerateRequest
+from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, FinishReason, GenerateRequest, KVFrom, Release
+from schemas.names import request_topic
 from workers.engine import Engine, EngineDead, EngineError, EngineOutput
 from workers.metrics import WorkerMetrics
 from workers.outbox import Outbox
+from workers.parking import Parking
 
 log = logging.getLogger("ferry.worker")
 
@@ -70,6 +72,9 @@ class Serving:
         self._worker_id = worker_id
         self._on_fatal = on_fatal
         self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._attempts: dict[asyncio.Task[None], int] = {}  # the attempt each task serves
+        # Decode-first hand-offs parked here until their prefill worker releases them (workers/parking.py).
+        self.parking = Parking(worker_id, self.start)
         # In-flight attempts a Cancel named (dropped when they end). The task, not the request id: a
         # newer attempt of the same request (a migration back to this worker) must not inherit the cancel.
         self._cancelled: set[asyncio.Task[None]] = set()
@@ -91,18 +96,21 @@ class Serving:
         """The task serving `request_id`, if it is running."""
         return self._inflight.get(request_id)
 
-    def start(self, req: GenerateRequest) -> asyncio.Task[None]:
-        """Serve `req` in a task of its own."""
-        task = asyncio.create_task(self._serve(req), name=f"serve-{req.request_id}")
+    def start(self, req: GenerateRequest, first: Chunk | None = None) -> asyncio.Task[None]:
+        """Serve `req` in a task of its own (sending `first`, a released hand-off's token, before its output)."""
+        task = asyncio.create_task(self._serve(req, first), name=f"serve-{req.request_id}")
         self._inflight[req.request_id] = task
+        self._attempts[task] = req.attempt
         self.idle.clear()
         task.add_done_callback(functools.partial(self._done, req.request_id))
         return task
 
-    async def cancel(self, request_id: str) -> None:
-        """A frontend's Cancel: abort the request in the engine, even if it has not reached it yet."""
+    async def cancel(self, request_id: str, attempt: int = -1) -> None:
+        """A frontend's Cancel (of `attempt` only, unless -1): abort the request in the engine, even if it has not
+        reached it yet; a parked attempt is dropped."""
+        self.parking.discard(request_id, attempt)
         task = self._inflight.get(request_id)
-        if task is None:
+        if task is None or attempt not in (-1, self._attempts.get(task)):
             return
         log.debug("cancel %s", request_id)
         # The request may have arrived in the same batch and not reached the engine yet, where an abort
@@ -145,6 +153,7 @@ class Serving:
         if self._inflight.get(request_id) is task:
             del self._inflight[request_id]
         self._cancelled.discard(task)
+        self._attempts.pop(task, None)
         if not self._inflight:
             self.idle.set()
 
@@ -165,7 +174,17 @@ class Serving:
             step = decode_s / (tokens - 1)
             self.step_s = step if not self.step_s else 0.8 * self.step_s + 0.2 * step
 
-    async def _serve(self, req: GenerateRequest) -> None:
+    async def _release(self, req: GenerateRequest, chunk: Chunk) -> None:
+        """A prefill-only attempt's token: the decode worker's parked next attempt starts with it (decode-first
+        hand-off); sent ahead of the chunk to the frontend, which gets the token from either."""
+        if not (req.release_to and req.prefill_only and chunk.token_ids and chunk.finish_reason is None):
+            return
+        release = Release(
+            req.request_id, req.attempt + 1, chunk, KVFrom(self._worker_id, len(req.prompt_token_ids))
+        )
+        await self._outbox.send_request(request_topic(req.release_to), release)
+
+    async def _serve(self, req: GenerateRequest, first_chunk: Chunk | None = None) -> None:
         """Run one sequence and send every delta back as a Chunk."""
         wid, metrics = self._worker_id, self._metrics
         # A migrated request continues the sequence numbers its stream already used.
@@ -176,6 +195,8 @@ class Serving:
         try:
             finished = aborted = reaborted = False
             me = asyncio.current_task()
+            if first_chunk is not None:
+                await self._outbox.send(req, first_chunk)
             # Cancelled before it started: nothing to generate, the abort chunk below ends it.
             outputs = _no_outputs() if me in self._cancelled else self._engine.generate(req)
             async for out in outputs:
@@ -199,7 +220,9 @@ class Serving:
                         metrics.prefix_hits.inc(out.cached_tokens)
                     metrics.cached_tokens.inc(out.cached_tokens)
                 metrics.generated_tokens.inc(len(out.token_ids))
-                await self._outbox.send(req, chunk_of(req, seq, out, wid, usage))
+                chunk = chunk_of(req, seq, out, wid, usage)
+                await self._release(req, chunk)
+                await self._outbox.send(req, chunk)
                 seq += 1
             if not finished:
                 # The engine ended the sequence without a reason: it was aborted (client cancel).

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from server.frontend import Frontend
+from server.migration import Mover
 from tests.harness import Harness, RunningWorker, sse_events, until
 from workers.sim import SimEngine
 
@@ -122,6 +123,27 @@ async def test_disaggregated_stream_is_the_aggregated_one_with_its_first_token_f
     assert not any('"error"' in d for _, d in events)
     assert json.loads(events[-2][1])["usage"]["completion_tokens"] == 80
     assert (generated(prefill), generated(decode)) == (1 + 2, 79 + 2 * 39)
+
+
+async def test_the_prefill_worker_releases_the_decode_attempt_without_the_frontend(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Decode-first: the decode attempt waits parked on its worker from the start, and the prefill worker's
+    # Release starts it; the frontend's own hand-off only writes the marker. Without that hand-off the
+    # stream still completes, the decode worker's chunks switching it over by themselves.
+    monkeypatch.setattr(Mover, "hand_off", lambda self, seq: None)
+    prefill = await h.add_worker(role="prefill")
+    decode = await h.add_worker(role="decode")
+    fe, url = await h.add_frontend()
+    _, local_url = await h.add_frontend(disagg_min_uncached_tokens=1_000_000)
+    headers, events = await read(url, body())
+    assert headers["x-ferry-disagg"] == "remote"
+    assert_complete(events, 40)
+    assert (generated(prefill), generated(decode)) == (1, 39)
+    assert fe.metrics.migrations.labels("handoff", "moved")._value.get() == 0
+    _, reference = await read(local_url, body())
+    assert text_of(events) == text_of(reference)
+    assert len(decode.worker.serving.parking) == 0
 
 
 async def test_short_prompt_is_prefilled_on_the_decode_worker(h: Harness) -> None:

@@ -267,7 +267,7 @@ async def test_streams_outlive_their_request_epoch_resumed_or_cancelled(h: Harne
         await ready(c, url)
         first = inbox.topics.current(wid)
         rid, head = await read_some(c, "/v1/chat/completions", resume_chat(max_tokens=300), 12)
-        assert fe.svc.dispatcher._sent_to[f"{rid}.0"] == first  # (its one sequence)
+        assert fe.svc.dispatcher._sent_to[(wid, f"{rid}.0")] == first  # (its one sequence)
         await roll_past(first)
         async with c.stream(
             "GET", f"/v1/chat/completions/{rid}/stream", headers={"last-event-id": str(head[-1][0])}

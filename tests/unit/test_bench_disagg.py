@@ -16,6 +16,10 @@ def test_long_prompt_workload_has_unrelated_prompts_of_the_asked_length() -> Non
     assert len({tuple(it.prompt[:64]) for it in w.items}) == 20
     assert all(a.at <= b.at for a, b in zip(w.items, w.items[1:], strict=False))
     assert long_prompt_workload(20, 4.0, 300, 7, "t").items == w.items  # deterministic per salt
+    # Another salt: other token ids, the same arrival times (systems compared on one arrival pattern).
+    other = long_prompt_workload(20, 4.0, 300, 7, "u")
+    assert [it.at for it in other.items] == [it.at for it in w.items]
+    assert other.items[0].prompt != w.items[0].prompt
 
 
 def test_systems_keep_the_worker_total() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from bus.log_watch import FetchWaitAdjuster
-from workers.inbox import fetch_wait_ms
+from workers.inbox import busy_wait_cap_ms, fetch_wait_ms
 
 
 def test_the_wait_is_the_base_while_idle_and_half_a_step_while_busy_within_the_cap() -> None:
@@ -16,6 +16,12 @@ def test_the_wait_is_the_base_while_idle_and_half_a_step_while_busy_within_the_c
     assert fetch_wait_ms(5, 50, busy=True, step_s=0.0) == 5  # no step measured yet
     assert fetch_wait_ms(5, 0, busy=True, step_s=0.2) == 5  # off
     assert fetch_wait_ms(100, 50, busy=True, step_s=0.2) == 100  # a base above the cap wins
+
+
+def test_a_decode_worker_does_not_pace_its_inbox() -> None:
+    assert busy_wait_cap_ms("decode", 50) == 0
+    assert fetch_wait_ms(5, busy_wait_cap_ms("decode", 50), busy=True, step_s=0.04) == 5
+    assert busy_wait_cap_ms("prefill", 50) == busy_wait_cap_ms("both", 50) == 50
 
 
 def fake_consumer(wait_ms: int) -> SimpleNamespace:

@@ -182,6 +182,32 @@ async def test_a_hand_off_sends_the_decode_request_without_waiting_for_its_marke
     assert [c.attempt for c in svc.notes] == [1, 2] and svc.sent[-1][1].attempt == 2
 
 
+async def test_a_released_hand_off_only_writes_its_marker_and_watches_the_parked_attempt() -> None:
+    """Decode-first: the decode attempt went out parked with the prefill one and the prefill worker released
+    it; the hand-off sends no request, and moving the sequence before its token drops the parked attempt."""
+    req, svc = HandOffRequest(), HandOffServices()
+    watched: list[tuple[GenerateRequest, int]] = []
+    discarded: list[tuple[str, str]] = []
+    req.discard_parked = lambda seq, worker_id: discarded.append((seq.request_id, worker_id))  # type: ignore[attr-defined]
+    m = Mover(cast(Any, req), cast(Services, svc))
+    m.watch = lambda seq, request, offset: watched.append((request, offset))  # type: ignore[method-assign]
+    s = Sequence("r.0", 0, 0, Decision(worker_id="p1"), prompt_len=4, token_ids=[7], next_seq=1, claimed=1)
+    s.handoff, s.kv_from = Decision(worker_id="d1"), KVFrom("p1", 4)
+    s.parked = req.request_for(s, [], s.kv_from, attempt=1)
+    s.parked_offset = 41
+    transition(s, MoveState.MOVING)
+    await asyncio.wait_for(m._move(s), 2)
+    assert [(c.attempt, c.worker_id) for c in svc.notes] == [(1, "d1")] and svc.sent == []
+    assert [(r.attempt, r.seq_base, o) for r, o in watched] == [(1, 1, 41)]
+    assert (s.parked, s.worker_id, s.claimed, discarded) == (None, "d1", 1, [])
+    # The prefill worker lost before its token: the parked attempt is dropped, the move claims attempt 2.
+    s = Sequence("r.1", 0, 0, Decision(worker_id="p1"), prompt_len=4, claimed=1)
+    s.handoff, s.kv_from = Decision(worker_id="d1"), KVFrom("p1", 4)
+    s.parked = req.request_for(s, [], s.kv_from, attempt=1)
+    assert m._take_handoff(s) == (None, None)
+    assert discarded == [("r.1", "d1")]
+
+
 async def test_a_hand_off_sends_its_marker_and_its_request_together() -> None:
     """Neither send waits for the other's acknowledgement: one after the other, each would be a broker round
     trip in the gap after the first token. (Sent in turn, the two sends below would never both start.)"""
