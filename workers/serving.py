@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Callable
 
 import msgspec
 
+from bus.topics import RequestTopics
 from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, FinishReason, GenerateRequest, KVFrom, Release
-from schemas.names import request_topic
 from workers.engine import Engine, EngineDead, EngineError, EngineOutput
 from workers.metrics import WorkerMetrics
 from workers.outbox import Outbox
@@ -65,8 +65,11 @@ class Serving:
         metrics: WorkerMetrics,
         worker_id: str,
         on_fatal: Callable[[BaseException], None],
+        request_topics: RequestTopics | None = None,
     ) -> None:
         self._engine = engine
+        # Which request topic of a worker is current: where a decode-first release goes.
+        self._request_topics = request_topics or RequestTopics(0)
         self._outbox = outbox
         self._metrics = metrics
         self._worker_id = worker_id
@@ -182,7 +185,9 @@ class Serving:
         release = Release(
             req.request_id, req.attempt + 1, chunk, KVFrom(self._worker_id, len(req.prompt_token_ids))
         )
-        await self._outbox.send_request(request_topic(req.release_to), release)
+        # Into the decode worker's current epoch (it created that topic ahead): its unrolled topic is never
+        # trimmed on the embedded broker, and a record per disaggregated request would grow it for good.
+        await self._outbox.send_request(self._request_topics.current(req.release_to), release)
 
     async def _serve(self, req: GenerateRequest, first_chunk: Chunk | None = None) -> None:
         """Run one sequence and send every delta back as a Chunk."""

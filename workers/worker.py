@@ -14,7 +14,7 @@ from aiokafka.errors import KafkaError
 
 from bus.epochs import EpochTopics
 from bus.produce import TrackingProducer, refresh_metadata
-from bus.topics import ensure_topics, retention
+from bus.topics import RequestTopics, ensure_topics, retention
 from kvstore.batch_store import BatchStore
 from kvstore.connect import redis_client
 from kvstore.kv_index import KVIndex
@@ -62,7 +62,9 @@ class Worker:
             results = EpochTopics(functools.partial(batch_results_topic, s.served_model_name), s.pool_roll_s)
             self._outbox.route_with(results.route)
         self.kv_log: KVLog | None = None  # the KV log (workers/kv_log.py), unless --no-kv-log
-        self.serving = Serving(engine, self._outbox, self.metrics, s.worker_id, self._set_fatal)
+        self.serving = Serving(
+            engine, self._outbox, self.metrics, s.worker_id, self._set_fatal, RequestTopics(s.request_roll_s)
+        )
         self.heartbeat = Heartbeat(s, engine, engine_name, Registry(self._redis, keys), index, self.metrics,
                                    lambda: len(self.serving))  # fmt: skip
         if s.kv_log:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+from bus.topics import RequestTopics
 from schemas.kafka import Chunk, GenerateRequest, KVFrom, Release
+from schemas.names import request_topic
 from server.streams import ClientStream, Sequence
 from workers.parking import Parking, released
+from workers.serving import Serving
 
 
 def parked(rid: str = "r.0", attempt: int = 1) -> GenerateRequest:
@@ -101,3 +104,25 @@ async def test_the_stream_takes_the_token_from_whichever_attempt_lands_first() -
             s.put(c)
         assert (seq.token_ids, seq.attempt, seq.next_seq, seq.broken) == ([7, 8], 1, 2, False)
         assert len(await asyncio.wait_for(s.get(1.0), 1.0)) == 2
+
+
+class Outbox:
+    """What a Serving's release needs of the outbox: where each request-topic record went."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, Release]] = []
+
+    async def send_request(self, topic: str, message: Release) -> None:
+        self.sent.append((topic, message))
+
+
+async def test_a_release_goes_to_the_decode_workers_current_epoch_not_its_unrolled_topic() -> None:
+    # The unrolled requests topic is never trimmed on the embedded broker: a release per disaggregated
+    # request there would grow it for the worker's life.
+    outbox = Outbox()
+    now = 6_000.0
+    serving = Serving(None, outbox, None, "p", lambda exc: None, RequestTopics(60.0, clock=lambda: now))  # type: ignore[arg-type]
+    req = GenerateRequest("r.0", "m", [1, 2, 3], 20, "replies", prefill_only=True, release_to="d")
+    await serving._release(req, Chunk("r.0", 0, token_ids=[7], text="x", worker_id="p"))
+    [(topic, sent)] = outbox.sent
+    assert topic == request_topic("d", 100) and (sent.request_id, sent.attempt) == ("r.0", 1)
