@@ -40,9 +40,11 @@ def fetch_wait_ms(base_ms: int, busy_cap_ms: int, busy: bool, step_s: float) -> 
     """The inbox's fetch wait: `base_ms` while idle; while busy, half the engine's step, at most `busy_cap_ms`
     (a request arriving meanwhile would mostly wait for the step under way anyway).
 
-    `busy` is false while every attempt in flight has one output to go: the engine's work ends with those
-    outputs, and a request arriving then would wait out the rest of a paced fetch for nothing (in a closed
-    loop the next request comes exactly then: 10-30 ms more TTFT, docs/benchmarks.md, "A quiet fleet")."""
+    The wait is chosen before each poll and kept by every fetch until the next one, which comes only when
+    records arrive: `busy` is false while every attempt in flight has one output to go, since the engine's
+    work ends with those outputs and a request arriving after them would wait out a paced fetch for nothing
+    (in a closed loop the next request comes exactly then: 10-30 ms more TTFT, docs/benchmarks.md, "A quiet
+    fleet")."""
     if not busy or busy_cap_ms <= base_ms:
         return base_ms
     return max(base_ms, min(int(step_s * 500), busy_cap_ms))
