@@ -412,8 +412,9 @@ class WorkerSettings(CommonSettings, SimSettings, VLLMSettings, PoolSettings):
     busy_fetch_wait_ms: int = dataclasses.field(
         default=50,
         metadata=_help(
-            "while the engine is busy, the inbox's fetch waits up to half the engine's step, at most this "
-            "long (never less than --kafka-fetch-wait-ms): fewer wake-ups on the engine's cores; 0 = off"
+            "while the engine is busy (beyond sequences with one token to go), the inbox's fetch waits up to "
+            "half the engine's step, at most this long (never less than --kafka-fetch-wait-ms): fewer "
+            "wake-ups on the engine's cores; 0 = off"
         ),
     )
     metrics_host: str = dataclasses.field(default="127.0.0.1", metadata=_help("bind address of /metrics"))

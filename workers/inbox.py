@@ -37,8 +37,14 @@ SEEN_REQUESTS = 65536
 
 
 def fetch_wait_ms(base_ms: int, busy_cap_ms: int, busy: bool, step_s: float) -> int:
-    """The inbox's fetch wait: `base_ms` while idle; while the engine is busy, half its step, at most
-    `busy_cap_ms` (a request arriving meanwhile would mostly wait for the step under way anyway)."""
+    """The inbox's fetch wait: `base_ms` while idle; while busy, half the engine's step, at most `busy_cap_ms`
+    (a request arriving meanwhile would mostly wait for the step under way anyway).
+
+    The wait is chosen before each poll and kept by every fetch until the next one, which comes only when
+    records arrive: `busy` is false while every attempt in flight has one output to go, since the engine's
+    work ends with those outputs and a request arriving after them would wait out a paced fetch for nothing
+    (in a closed loop the next request comes exactly then: 10-30 ms more TTFT, docs/benchmarks.md, "A quiet
+    fleet")."""
     if not busy or busy_cap_ms <= base_ms:
         return base_ms
     return max(base_ms, min(int(step_s * 500), busy_cap_ms))
@@ -117,7 +123,7 @@ class Inbox:
         # environment"); this one is the worker's own.
         serving = self._serving
         self.reader.set_fetch_wait(
-            fetch_wait_ms(self._base_wait_ms, self._busy_wait_ms, len(serving) > 0, serving.step_s)
+            fetch_wait_ms(self._base_wait_ms, self._busy_wait_ms, serving.busy_after_step, serving.step_s)
         )
         return None
 

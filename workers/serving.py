@@ -81,6 +81,10 @@ class Serving:
         # In-flight attempts a Cancel named (dropped when they end). The task, not the request id: a
         # newer attempt of the same request (a migration back to this worker) must not inherit the cancel.
         self._cancelled: set[asyncio.Task[None]] = set()
+        # In-flight attempts whose next output is their last (one token to go, or prefill-only). When they are
+        # all there is, the engine's work ends with their outputs, and a request read late then waits for
+        # nothing: the inbox does not pace its fetches (`busy_after_step`).
+        self._last_step: set[asyncio.Task[None]] = set()
         # The engine's recent time per decode step (an average over sequences' inter-token times).
         self.step_s = 0.0
         self.idle = asyncio.Event()  # set while no request is in flight
@@ -91,6 +95,11 @@ class Serving:
 
     def __len__(self) -> int:
         return len(self._inflight)
+
+    @property
+    def busy_after_step(self) -> bool:
+        """Whether some attempt in flight has more than one output to go (the engine has work beyond them)."""
+        return len(self._last_step) < len(self._inflight)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._inflight
@@ -156,6 +165,7 @@ class Serving:
         if self._inflight.get(request_id) is task:
             del self._inflight[request_id]
         self._cancelled.discard(task)
+        self._last_step.discard(task)
         self._attempts.pop(task, None)
         if not self._inflight:
             self.idle.set()
@@ -200,6 +210,10 @@ class Serving:
         try:
             finished = aborted = reaborted = False
             me = asyncio.current_task()
+            assert me is not None
+            last_at = generated + req.max_tokens - 1  # from this many generated tokens on, the next output is the last
+            if req.prefill_only or generated >= last_at:
+                self._last_step.add(me)
             if first_chunk is not None:
                 await self._outbox.send(req, first_chunk)
             # Cancelled before it started: nothing to generate, the abort chunk below ends it.
@@ -210,6 +224,8 @@ class Serving:
                     reaborted = True
                     await self._engine.abort(req.request_id)
                 generated += len(out.token_ids)
+                if generated >= last_at:
+                    self._last_step.add(me)
                 if out.token_ids and not first:
                     first, queued = time.monotonic(), out.queued_s
                 usage = None

@@ -44,3 +44,36 @@ async def test_a_busy_workers_inbox_waits_half_a_step_per_fetch(h: Harness) -> N
         return fetcher._fetch_max_wait_ms == base
 
     await until(prompt_again, 10)
+
+
+async def test_no_pacing_while_every_request_in_flight_ends_at_its_next_output(h: Harness) -> None:
+    # A one-token request's prefill is its last step: a request arriving as it ends would find the engine
+    # idle, so a paced fetch would only delay it (the closed loop of bench.routing's unloaded probe).
+    running = await h.add_worker(speedup=0.25)
+    worker = running.worker
+    _, url = await h.add_frontend()
+    base = worker.settings.kafka_fetch_wait_ms
+    waits: list[tuple[int, int]] = []  # (requests in flight, fetch wait) at every poll
+    set_wait = worker._inbox.reader.set_fetch_wait
+
+    def record(wait_ms: int) -> None:
+        waits.append((len(worker.serving), wait_ms))
+        set_wait(wait_ms)
+
+    worker._inbox.reader.set_fetch_wait = record  # type: ignore[method-assign]
+    long_prompt = " ".join(["word"] * 1500)  # a prefill of ~100 ms at this speedup: several polls
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        first = await c.post("/v1/completions", json={"model": MODEL, "prompt": "Count", "max_tokens": 40})
+        assert first.status_code == 200 and worker.serving.step_s > 0.01  # pacing would apply when busy
+        waits.clear()
+        one = await c.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt, "max_tokens": 1})
+        assert one.status_code == 200
+        busy = [w for n, w in waits if n > 0]
+        assert busy and set(busy) == {base}, waits
+        # Two tokens to go: paced again, so the rule is not simply "never".
+        waits.clear()
+        two = await c.post(
+            "/v1/completions", json={"model": MODEL, "prompt": long_prompt, "max_tokens": 8, "ignore_eos": True}
+        )
+        assert two.status_code == 200
+        assert any(n > 0 and w > base for n, w in waits), waits
