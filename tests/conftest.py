@@ -9,6 +9,7 @@ import inspect
 import logging
 import os
 import signal
+import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -44,6 +45,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         fn = getattr(item, "obj", None)
         if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(fn):
             item.obj = _bounded(fn, limit_s)
+
+
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remember the run's exit status for `pytest_unconfigure`."""
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leave at once once the summary is out, when Triton was imported (vLLM's in-process tests do)."""
+    # Triton's nanobind module holds objects to the end, and nanobind then prints some 600 "leaked" lines
+    # after the summary at interpreter exit. Every test's processes and loops are gone by now.
+    if "triton" in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(config.stash.get(_EXIT_STATUS, 0))
 
 
 @pytest.fixture(autouse=True)
