@@ -347,17 +347,17 @@ class Generation:
         parked, seq.parked = seq.parked, None
         if parked is None:
             return
-        # Owned by the frontend, not this generation: closing it must not drop the Cancel.
-        task = asyncio.create_task(self.svc.dispatcher.cancel(worker_id, seq.request_id, parked.attempt))
-        self.svc.detached.add(task)
-        task.add_done_callback(self.svc.detached.discard)
+        self._detach(self.svc.dispatcher.cancel(worker_id, seq.request_id, parked.attempt))
 
     def fail(self, seq: Sequence, message: str, code: str = "worker_died") -> None:
         """End a sequence with a (retriable) error of the frontend's own, and stop its worker on it."""
         worker_id = seq.worker_id
         self.end(seq, self.stream.ending(seq.request_id, ErrorInfo(code, message, retriable=True)))
-        # Owned by the frontend, not this generation: closing it must not drop the Cancel.
-        task = asyncio.create_task(self.svc.dispatcher.cancel(worker_id, seq.request_id))
+        self._detach(self.svc.dispatcher.cancel(worker_id, seq.request_id))
+
+    def _detach(self, work: Coroutine[Any, Any, None], name: str | None = None) -> None:
+        """Run `work` owned by the frontend, not this generation: closing the generation does not cancel it."""
+        task = asyncio.create_task(work, name=name)
         self.svc.detached.add(task)
         task.add_done_callback(self.svc.detached.discard)
 
@@ -388,9 +388,7 @@ class Generation:
             return
         if self.resumable and not self._detached and not self._failed and not self.stream.finished:
             self._detached = True
-            task = asyncio.create_task(self._unattended(), name=f"unattended-{self.id}")
-            self.svc.detached.add(task)
-            task.add_done_callback(self.svc.detached.discard)
+            self._detach(self._unattended(), f"unattended-{self.id}")
             return
         self._closed = True
         if self.stream.finished and not self._failed:

@@ -108,12 +108,11 @@ class Parking:
 
     def _expire(self) -> None:
         cutoff = self._clock() - self._ttl_s
-        for entries in (self._parked, self._early):
+        waiting_for = ((self._parked, "its release"), (self._early, "its parked attempt"))
+        for entries, missing in waiting_for:
             while entries:
                 key, (at, _) = next(iter(entries.items()))
                 if at >= cutoff:
                     break
                 del entries[key]
-                log.info(
-                    "request %s attempt %d: parked for %.0fs without its release; dropped", *key, self._ttl_s
-                )
+                log.info("request %s attempt %d: kept %.0fs without %s; dropped", *key, self._ttl_s, missing)

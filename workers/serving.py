@@ -211,7 +211,8 @@ class Serving:
             finished = aborted = reaborted = False
             me = asyncio.current_task()
             assert me is not None
-            last_at = generated + req.max_tokens - 1  # from this many generated tokens on, the next output is the last
+            # From this many generated tokens on, the next output is the last.
+            last_at = generated + req.max_tokens - 1
             if req.prefill_only or generated >= last_at:
                 self._last_step.add(me)
             if first_chunk is not None:
