@@ -156,3 +156,5 @@ class Hooks(Generic[T]):
     error: Callable[[Exception], Awaitable[bool]] | None = None
     # The loop has ended and the consumer is about to stop (a last commit).
     closing: Callable[[], Awaitable[None]] | None = None
+    # (a Reader with a doorbell) Whether the reader may sleep now, after a poll without records; None: always.
+    may_sleep: Callable[[], bool] | None = None

@@ -5,7 +5,9 @@ runs the poll loop, stretches the fetch wait while it lags (`FetchWaitAdjuster`)
 log the broker lost (`LogResetWatch`, when asked), decodes every record with the reader's typed decoder
 (undecodable ones are logged and dropped) and hands each partition's batch to the handler; it stops the
 consumer through `stop_consumer`. A loop that dies unexpectedly is logged and reported to the failure hook,
-which fails whoever waits on the reader. Whatever else a reader needs (re-assigning partitions, pausing,
+which fails whoever waits on the reader. Given a doorbell (bus/doorbell.py), an idle reader sleeps between polls
+with its partitions paused until the bell rings or its poll timeout passes, instead of fetching every few
+milliseconds. Whatever else a reader needs (re-assigning partitions, pausing (`pause`: a sleep leaves those alone),
 commits, a rebalance listener, point lookups) is an option, a hook or a method here, not a loop of its own.
 
 The loop hands on each partition's records without holes: when a fetch skips records (docs/architecture.md,
@@ -25,6 +27,7 @@ from aiokafka.errors import KafkaError, OffsetOutOfRangeError
 
 from bus.commits import commit_within, rewind_to_committed
 from bus.consumer import stop_consumer
+from bus.doorbell import Doorbell
 from bus.log_watch import FetchWaitAdjuster, LogResetWatch, positions_and_ends
 from bus.read_spec import At, Batch, Decoder, Hooks, Options, Own, Start, Subscribe, Tail
 from bus.topics import ensure_topics
@@ -41,6 +44,11 @@ LOOKUP_POLL_MS = 500
 # compaction and transaction markers make holes that stay, and a reader must never stall on one.
 GAP_TRIES = 3
 
+# How long a reader with a doorbell polls without records before it sleeps: a few fetches at the short
+# fetch wait of the token path, so what a just-ended fetch missed (broker quirk "late wake-up") is read
+# before the reader depends on a ring.
+LINGER_MS = 20
+
 _DEFAULT_OPTIONS = Options()
 
 
@@ -54,12 +62,14 @@ class Reader(Generic[T]):
         decoder: Decoder[T],
         options: Options = _DEFAULT_OPTIONS,
         hooks: Hooks[T] | None = None,
+        doorbell: Doorbell | None = None,
     ) -> None:
         self.name = name
         self._bootstrap = bootstrap
         self._decoder = decoder
         self._options = options
         self._hooks = hooks
+        self._doorbell = doorbell
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
         self._finishing = False
@@ -75,6 +85,9 @@ class Reader(Generic[T]):
         self._stretch: FetchWaitAdjuster | None = None  # the loop's, while it runs
         self.gaps_refetched = 0  # holes read again
         self.gaps_accepted = 0  # holes read on past after GAP_TRIES reads
+        self.sleeps = 0  # times the loop slept on its doorbell
+        self._held: set[TopicPartition] = set()  # paused by the owner (`pause`), not by a sleep
+        self._drowsy = False  # the last poll of a reader that may sleep brought nothing
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -126,6 +139,8 @@ class Reader(Generic[T]):
     def finish(self) -> None:
         """Let the loop end after its current round; the consumer stays (for last commits) until `stop`."""
         self._finishing = True
+        if self._doorbell is not None:
+            self._doorbell.ring()  # a sleeping loop goes on to its last poll now
 
     async def finished(self, timeout_s: float) -> bool:
         """`finish`, then wait up to `timeout_s` for the loop's last round to end; False if it has not."""
@@ -190,6 +205,17 @@ class Reader(Generic[T]):
         """The loop's fetch wait from its next fetch on (while it is not stretched for a lagging log)."""
         if self._stretch is not None:
             self._stretch.set_base(wait_ms)
+
+    def pause(self, *tps: TopicPartition) -> None:
+        """Stop reading `tps` until `resume` (a sleep on the doorbell never resumes them)."""
+        self._held.update(tps)
+        self.consumer.pause(*tps)
+
+    def resume(self, *tps: TopicPartition) -> None:
+        """Read `tps` again (after `pause`)."""
+        self._held.difference_update(tps)
+        held = self.consumer.assignment()
+        self.consumer.resume(*(tp for tp in tps if tp in held))
 
     async def position(self, tp: TopicPartition) -> int:
         """The offset the next record of `tp` will have (waits while it is being resolved)."""
@@ -298,9 +324,16 @@ class Reader(Generic[T]):
     ) -> None:
         """One poll and everything around it."""
         poll = self._options.poll
+        if self._drowsy and self._may_sleep(hooks, stretch):
+            # The last poll brought nothing: sleep out the rest of a poll timeout, then poll (also when
+            # woken by `finish`, so a last poll reads what arrived meanwhile).
+            await self._sleep(consumer, (poll.timeout_ms - min(poll.timeout_ms, LINGER_MS)) / 1000)
         if hooks.before_poll is not None:
             poll = await hooks.before_poll() or poll
-        fetched = await consumer.getmany(timeout_ms=poll.timeout_ms, max_records=poll.max_records)
+        # A reader that may sleep polls briefly, and sleeps at the start of the next round if nothing came.
+        sleepy = self._may_sleep(hooks, stretch)
+        timeout_ms = min(poll.timeout_ms, LINGER_MS) if sleepy else poll.timeout_ms
+        fetched = await consumer.getmany(timeout_ms=timeout_ms, max_records=poll.max_records)
         await stretch.after_poll(bool(fetched))
         if not fetched and watch is not None:
             rewound = await watch.check()
@@ -320,6 +353,35 @@ class Reader(Generic[T]):
                 log.warning("%s: offset commit failed: %r", self.name, exc)
         if hooks.after_poll is not None:
             await hooks.after_poll(bool(fetched))
+        self._drowsy = sleepy and not fetched
+
+    def _may_sleep(self, hooks: Hooks[T], stretch: FetchWaitAdjuster) -> bool:
+        bell = self._doorbell
+        return (
+            bell is not None
+            and bell.armed
+            and not self._finishing
+            and not stretch.stretched  # records are there, slow to read
+            and (hooks.may_sleep is None or hooks.may_sleep())
+        )
+
+    async def _sleep(self, consumer: AIOKafkaConsumer, timeout_s: float) -> None:
+        """No fetches until the doorbell rings or `timeout_s` passes (then the loop polls as usual)."""
+        bell = self._doorbell
+        assert bell is not None
+        awake = [tp for tp in consumer.assignment() if tp not in consumer.paused()]
+        # Paused, the fetcher sends nothing for them; a fetch already under way ends within its short wait
+        # and whatever it brought stays unread until they are resumed.
+        consumer.pause(*awake)
+        self.sleeps += 1
+        try:
+            await bell.wait(timeout_s)
+        finally:
+            # Rings from now on wake the next sleep: the fetch about to go out sees what they announced
+            # only if their records were acknowledged before it.
+            bell.clear()
+            assigned = consumer.assignment()
+            consumer.resume(*(tp for tp in awake if tp in assigned and tp not in self._held))
 
     def _decode(self, tp: TopicPartition, records: list[Any]) -> Batch[T]:
         batch: Batch[T] = Batch(tp, [], [], records[-1].offset + 1)

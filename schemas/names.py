@@ -125,6 +125,10 @@ class RedisKeys:
         """The registry marker whose index the lease holder last rebuilt from the KV log."""
         return f"{self.prefix}kvrebuilt:{model}"
 
+    def bell(self, worker_id: str) -> str:
+        """Pub/sub channel that rings one worker's inbox awake (bus/doorbell.py)."""
+        return f"{self.prefix}bell:{worker_id}"
+
     def frontends(self) -> str:
         """Set of frontend ids that publish router load."""
         return f"{self.prefix}frontends"

@@ -84,6 +84,15 @@ class CommonSettings:
             "waiting fetch as soon as data arrives"
         ),
     )
+    doorbell: bool = dataclasses.field(
+        default=True,
+        metadata=_help(
+            "idle readers on the token path stop fetching until there is something to read: a worker's "
+            "requests until a frontend or prefill worker rings it through Redis pub/sub, a frontend's "
+            "replies until it opens a stream (a sleeping reader still fetches once a second); "
+            "--no-doorbell = fetch every --kafka-fetch-wait-ms however idle"
+        ),
+    )
     pool_partitions: int = dataclasses.field(
         default=16,
         metadata=_help(

@@ -13,6 +13,7 @@ from typing import Any
 
 from bus.produce import TrackingProducer
 from bus.topics import RequestTopics, ensure_topics, retention
+from kvstore.bells import Bells
 from kvstore.connect import redis_client
 from kvstore.kv_index import KVIndex
 from kvstore.load import LoadBoard
@@ -146,11 +147,12 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
     demux = ReplyDemux(
         s.kafka, reply_topic(s.frontend_id), s.kafka_fetch_wait_ms,
         roll_records=s.replies_roll_records, retain_s=s.resume_ttl_s, metrics=metrics,
-        configs=retention(2 * s.resume_ttl_s, s.kafka_retention_bytes),
+        configs=retention(2 * s.resume_ttl_s, s.kafka_retention_bytes), doorbell=s.doorbell,
     )  # fmt: skip
     producer = TrackingProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
     short = retention(s.kafka_request_retention_s, s.kafka_retention_bytes)  # request and admin topics
-    dispatcher = Dispatcher(producer, s.kafka_timeout_s, metrics, RequestTopics(s.request_roll_s), short, s.kafka)
+    bells = Bells(redis, keys) if s.doorbell else None
+    dispatcher = Dispatcher(producer, s.kafka_timeout_s, metrics, RequestTopics(s.request_roll_s), short, s.kafka, bells)
     background = Background()
     # Where a lost worker or a lost replies log is answered (server/migration.py).
     migrations = Migrations(
@@ -211,7 +213,7 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
         stack.push_async_callback(_timed, "unattended streams", lambda: _cancel_all(svc.detached))
         fe = Frontend(
             settings=s, metrics=metrics, model=model, pre=Preprocessor(model, s.tokenize_threshold_chars, s.tool_call_parser),
-            fmt=LogprobFormatter(model), svc=svc, lora_admin=LoraAdmin(acks, producer, pool, s.served_model_name), background=background,
+            fmt=LogprobFormatter(model), svc=svc, lora_admin=LoraAdmin(acks, producer, pool, s.served_model_name, bells=bells), background=background,
             indexer=indexer,
         )  # fmt: skip
         log.info(

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
+from bus.doorbell import Doorbell
 from bus.produce import TrackingProducer, forget_topics, send_and_wait
 from bus.read_spec import Batch, Hooks, Options, Poll, Tail
 from bus.reader import Reader
 from bus.topics import RequestTopics, delete_topics, ensure_topics
+from kvstore.bells import Bells
 from schemas.kafka import (
     Cancel,
     Chunk,
@@ -63,8 +65,10 @@ class Dispatcher:
         topics: RequestTopics | None = None,
         configs: dict[str, str] | None = None,
         bootstrap: str = "",
+        bells: Bells | None = None,
     ) -> None:
         self._producer = producer
+        self._bells = bells  # rings a worker once its request or cancel is in its topic
         self._timeout_s = timeout_s
         self._metrics = metrics
         self._broker_ok = True
@@ -155,6 +159,8 @@ class Dispatcher:
         if not self._broker_ok:
             log.info("Kafka is taking requests again")
             self._broker_ok = True
+        if self._bells is not None:
+            await self._bells.ring(worker_id)
         self._sent_to[(worker_id, request.request_id)] = topic
         self._sent_to.move_to_end((worker_id, request.request_id))
         if len(self._sent_to) > SENT_REMEMBERED:
@@ -192,12 +198,17 @@ class Dispatcher:
             # the worker's window may be gone.
             if topic is None or self.topics.behind(topic, margin=1):
                 topic = await self._topic(worker_id)
-            await self._producer.send(
+            delivery = await self._producer.send(
                 topic,
                 request_encoder.encode(Cancel(request_id, attempt)),
                 key=request_id.encode(),
                 partition=0,
             )
+            bells = self._bells
+            if bells is not None:
+                delivery.add_done_callback(
+                    lambda d: None if d.cancelled() or d.exception() else bells.ring_soon(worker_id)
+                )
         except (KafkaError, OSError) as exc:
             log.warning("could not send cancel for %s: %r", request_id, exc)
 
@@ -234,6 +245,7 @@ class ReplyDemux:
         retain_s: float = 600.0,
         metrics: FrontendMetrics | None = None,
         configs: dict[str, str] | None = None,
+        doorbell: bool = False,
     ) -> None:
         self._base = topic
         self._configs = configs  # retention of the replies topics (on Kafka; see `bus.topics.retention`)
@@ -250,6 +262,8 @@ class ReplyDemux:
         self._reassign = False
         self._doomed: list[tuple[float, str]] = []  # (delete at, topic) of retired replies topics, in order
         self._deleting: asyncio.Task[None] | None = None
+        # With nothing open there is nothing to read: the reader sleeps until a stream registers.
+        self._bell = Doorbell() if doorbell else None
         self._reader = Reader(
             "replies",
             bootstrap,
@@ -261,7 +275,9 @@ class ReplyDemux:
                 reset=self._log_lost,
                 before_poll=self._reassign_if_wanted,
                 after_poll=self._after_poll,
+                may_sleep=lambda: not self._by_request,
             ),
+            self._bell,
         )
         self.failed: BaseException | None = None
         # Called when the broker lost this topic's log (restarted empty): chunks and requests in transit
@@ -314,6 +330,8 @@ class ReplyDemux:
         tail.resumable |= resumable
         for rid in stream.sequences:
             self._by_request[rid] = stream
+        if self._bell is not None:
+            self._bell.ring()
         return tail.topic, tail.position
 
     def unregister(self, stream: ClientStream) -> None:

@@ -18,6 +18,7 @@ from aiokafka.errors import KafkaError
 
 from bus.read_spec import Batch, Hooks, Options, Poll, Tail
 from bus.reader import Reader
+from kvstore.bells import Bells
 from schemas.admin import (
     LoadLoraAdapterRequest,
     LoraAdapter,
@@ -100,8 +101,10 @@ class LoraAdmin:
         base_model: str,
         timeout_s: float = ACK_TIMEOUT_S,
         send_timeout_s: float = 5.0,
+        bells: Bells | None = None,
     ) -> None:
         self.inbox = inbox
+        self._bells = bells
         self._producer = producer
         self._pool = pool
         self.base_model = base_model
@@ -234,6 +237,8 @@ class LoraAdmin:
                     code="broker_unavailable",
                     retry_after=2,
                 ) from exc
+            if self._bells is not None:
+                await asyncio.gather(*(self._bells.ring(w) for w in targets))
             pending = set(targets)
             try:
                 async with asyncio.timeout(self.timeout_s):

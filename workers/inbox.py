@@ -10,10 +10,12 @@ from collections.abc import Awaitable, Callable
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
+from bus.doorbell import Doorbell
 from bus.log_watch import positions_and_ends
 from bus.read_spec import Batch, Hooks, Options, Own, Poll
 from bus.reader import Reader
 from bus.topics import RequestTopics, delete_topics, ensure_topics, existing_topics, retention
+from kvstore.bells import BellSubscription
 from schemas.kafka import (
     Cancel,
     EngineControl,
@@ -24,7 +26,7 @@ from schemas.kafka import (
     UnloadLora,
     request_decoder,
 )
-from schemas.names import request_epoch, request_topic
+from schemas.names import RedisKeys, request_epoch, request_topic
 from schemas.settings import WorkerSettings
 from workers.lora import LoraControl
 from workers.metrics import WorkerMetrics
@@ -91,6 +93,14 @@ class Inbox:
         self._on_log_lost = on_log_lost
         # (request id, attempt) of routed requests started lately, oldest first (bounded).
         self._seen: OrderedDict[tuple[str, int], None] = OrderedDict()
+        # Rung by frontends and prefill workers once their request, cancel or release is in the topic: an
+        # idle inbox does not fetch every --kafka-fetch-wait-ms (bus/doorbell.py).
+        self.doorbell: Doorbell | None = None
+        self.bell_subscription: BellSubscription | None = None
+        if settings.doorbell:
+            channel = RedisKeys(settings.redis_prefix).bell(settings.worker_id)
+            self.doorbell = Doorbell()
+            self.bell_subscription = BellSubscription(settings.redis, channel, "requests", self.doorbell)
         self.reader: Reader[RequestMessage] = Reader(
             "requests",
             settings.kafka,
@@ -110,8 +120,15 @@ class Inbox:
                 offset_reset="earliest",
             ),
             Hooks(
-                self._handle, failed=on_fatal, reset=self._reset, before_poll=self._pace, after_poll=self._roll
+                self._handle,
+                failed=on_fatal,
+                reset=self._reset,
+                before_poll=self._pace,
+                after_poll=self._roll,
+                # While the engine is busy the paced fetch is cheap, and rings would undo its pacing.
+                may_sleep=lambda: not serving.busy_after_step,
             ),
+            self.doorbell,
         )
         self._base_wait_ms = settings.kafka_fetch_wait_ms
         self._busy_wait_ms = busy_wait_cap_ms(settings.role, settings.busy_fetch_wait_ms)
@@ -130,8 +147,18 @@ class Inbox:
     async def open(self) -> None:
         """Create and position on the topics (from the last commits) before the worker registers."""
         await ensure_topics(self._kafka, {self.topic: 1}, self._configs)
+        if self.bell_subscription is not None:
+            self.bell_subscription.start()
         await self.reader.open(Own(self.topic))
         await self._roll(False)
+
+    async def close(self) -> None:
+        """Stop reading, then stop listening for rings."""
+        try:
+            await self.reader.stop()
+        finally:
+            if self.bell_subscription is not None:
+                await self.bell_subscription.stop()
 
     async def _roll(self, got_records: bool) -> None:
         """Read the current window of rolled topics; delete those of past epochs once read (after every poll)."""

@@ -40,6 +40,7 @@ class Outgoing(NamedTuple):
     key: bytes | None
     value: bytes
     tries: int = 0
+    delivered: Callable[[], None] | None = None  # called once the broker has acknowledged it
 
 
 class Reply(NamedTuple):
@@ -109,9 +110,13 @@ class Outbox:
         """Queue a request's last chunk from a task being cancelled (no await allowed, no coalescing)."""
         self._queue.put_nowait(Reply(req.reply_topic, chunk))
 
-    async def send_request(self, topic: str, release: Release) -> None:
-        """Queue a message for another worker's requests topic (a decode-first hand-off's release)."""
-        await self._queue.put(Outgoing(topic, release.request_id.encode(), request_encoder.encode(release)))
+    async def send_request(
+        self, topic: str, release: Release, delivered: Callable[[], None] | None = None
+    ) -> None:
+        """Queue a message for another worker's requests topic (a decode-first hand-off's release); `delivered`
+        is called once the broker has it (to ring that worker's doorbell)."""
+        out = Outgoing(topic, release.request_id.encode(), request_encoder.encode(release), delivered=delivered)
+        await self._queue.put(out)
 
     async def send_ack(self, topic: str, ack: LoraAck) -> None:
         """Queue the answer to a LoRA operation for the asking frontend's admin topic."""
@@ -168,8 +173,12 @@ class Outbox:
         await asyncio.gather(*self._resends, return_exceptions=True)
 
     def _on_delivery(self, out: Outgoing, fut: asyncio.Future[object]) -> None:
-        if not fut.cancelled() and fut.exception() is not None:
+        if fut.cancelled():
+            return
+        if fut.exception() is not None:
             self._on_send_error(out, fut.exception())
+        elif out.delivered is not None:
+            out.delivered()
 
     def _on_send_error(self, out: Outgoing, exc: BaseException | None) -> None:
         """Send a record again, behind whatever was queued since.

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 import msgspec
 
 from bus.topics import RequestTopics
+from kvstore.bells import Bells
 from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, FinishReason, GenerateRequest, KVFrom, Release
 from workers.engine import Engine, EngineDead, EngineError, EngineOutput
 from workers.metrics import WorkerMetrics
@@ -66,8 +67,10 @@ class Serving:
         worker_id: str,
         on_fatal: Callable[[BaseException], None],
         request_topics: RequestTopics | None = None,
+        bells: Bells | None = None,
     ) -> None:
         self._engine = engine
+        self._bells = bells  # rings a decode worker once its release is in its topic
         # Which request topic of a worker is current: where a decode-first release goes.
         self._request_topics = request_topics or RequestTopics(0)
         self._outbox = outbox
@@ -197,7 +200,9 @@ class Serving:
         )
         # Into the decode worker's current epoch (it created that topic ahead): its unrolled topic is never
         # trimmed on the embedded broker, and a record per disaggregated request would grow it for good.
-        await self._outbox.send_request(self._request_topics.current(req.release_to), release)
+        bells, to = self._bells, req.release_to
+        delivered = None if bells is None else lambda: bells.ring_soon(to)
+        await self._outbox.send_request(self._request_topics.current(to), release, delivered)
 
     async def _serve(self, req: GenerateRequest, first_chunk: Chunk | None = None) -> None:
         """Run one sequence and send every delta back as a Chunk."""

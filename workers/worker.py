@@ -16,6 +16,7 @@ from bus.epochs import EpochTopics
 from bus.produce import TrackingProducer, refresh_metadata
 from bus.topics import RequestTopics, ensure_topics, retention
 from kvstore.batch_store import BatchStore
+from kvstore.bells import Bells
 from kvstore.connect import redis_client
 from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
@@ -62,8 +63,9 @@ class Worker:
             results = EpochTopics(functools.partial(batch_results_topic, s.served_model_name), s.pool_roll_s)
             self._outbox.route_with(results.route)
         self.kv_log: KVLog | None = None  # the KV log (workers/kv_log.py), unless --no-kv-log
+        bells = Bells(self._redis, keys) if s.doorbell else None
         self.serving = Serving(
-            engine, self._outbox, self.metrics, s.worker_id, self._set_fatal, RequestTopics(s.request_roll_s)
+            engine, self._outbox, self.metrics, s.worker_id, self._set_fatal, RequestTopics(s.request_roll_s), bells
         )
         self.heartbeat = Heartbeat(s, engine, engine_name, Registry(self._redis, keys), index, self.metrics,
                                    lambda: len(self.serving))  # fmt: skip
@@ -165,7 +167,7 @@ class Worker:
         """Stop the loops and in-flight requests, hand queued chunks to the producer, close every client."""
         sender = tasks[0] if tasks else None
         with contextlib.suppress(Exception, asyncio.CancelledError):
-            await self._inbox.reader.stop()  # before anything else: read nothing more
+            await self._inbox.close()  # before anything else: read nothing more
         for t in tasks:
             if t is not sender:
                 t.cancel()

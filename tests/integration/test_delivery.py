@@ -105,7 +105,7 @@ async def test_a_request_the_broker_lost_is_sent_again(
     h: Harness, kafka: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     w = await h.add_worker()
-    inbox = w.worker._inbox.reader.consumer
+    inbox = w.worker._inbox.reader
     fe, url = await h.add_frontend(delivery_check_s=1.0, request_timeout_s=60.0)
     # The request topics do not roll during the test (`--request-roll-s`): the clocks stand still.
     now = time.time()

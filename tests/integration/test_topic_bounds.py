@@ -105,8 +105,7 @@ async def test_a_topic_behind_the_window_is_kept_until_its_requests_are_read(h: 
     first = inbox.topics.current(wid)
     await until(lambda: _async(first in inbox._window), 10, 0.05)
     # The worker stops reading the current topic (it keeps heartbeating): the request waits in the broker.
-    consumer = inbox.reader.consumer
-    consumer.pause(TopicPartition(first, 0))
+    inbox.reader.pause(TopicPartition(first, 0))
     body = {"model": MODEL, "prompt": "Count", "max_tokens": 5, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
         call = asyncio.create_task(c.post("/v1/completions", json=body))
@@ -118,7 +117,7 @@ async def test_a_topic_behind_the_window_is_kept_until_its_requests_are_read(h: 
         # The inbox looked at `first` (behind the window now) in the same round that assigned `ahead`.
         assert first in await topics(kafka), "a topic with an unread request was deleted"
         assert not call.done()
-        consumer.resume(TopicPartition(first, 0))
+        inbox.reader.resume(TopicPartition(first, 0))
         answer = await call
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 5
 
@@ -222,8 +221,7 @@ async def test_a_request_the_broker_lost_in_an_epoch_behind_the_window_is_sent_a
     first = inbox.topics.current(wid)
     await until(lambda: _async(first in inbox._window), 10, 0.05)
     # The worker stops reading (it keeps heartbeating): the request waits in the broker, as under load.
-    consumer = inbox.reader.consumer
-    consumer.pause(TopicPartition(first, 0))
+    inbox.reader.pause(TopicPartition(first, 0))
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
         call = asyncio.create_task(c.post("/v1/chat/completions", json=body))
@@ -234,7 +232,7 @@ async def test_a_request_the_broker_lost_in_an_epoch_behind_the_window_is_sent_a
         await ensure_topics(kafka, {first: 1})
         now[0] += (inbox.topics.LAG + 1) * roll_s
         assert inbox.topics.behind(first) and not inbox.topics.deletable(first)
-        consumer.resume(TopicPartition(first, 0))
+        inbox.reader.resume(TopicPartition(first, 0))
         answer = await asyncio.wait_for(call, 30)
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] == 6

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from bus.topics import RequestTopics
 from schemas.kafka import Chunk, GenerateRequest, KVFrom, Release
@@ -112,7 +113,9 @@ class Outbox:
     def __init__(self) -> None:
         self.sent: list[tuple[str, Release]] = []
 
-    async def send_request(self, topic: str, message: Release) -> None:
+    async def send_request(
+        self, topic: str, message: Release, delivered: Callable[[], None] | None = None
+    ) -> None:
         self.sent.append((topic, message))
 
 

@@ -1,0 +1,134 @@
+"""Doorbells rung over Redis pub/sub: `Bells` rings a worker's inbox, `BellSubscription` hears its rings.
+
+A worker's inbox sleeps while idle (bus/doorbell.py); whoever writes to its requests topic rings it on the
+channel `<prefix>bell:<worker_id>` once the broker has acknowledged the record. Rings are best effort: one
+that Redis does not take is logged once and costs the sleeping inbox at most its fallback poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from kvstore.connect import redis_client
+from schemas.names import RedisKeys
+
+log = logging.getLogger("ferry.kafka")
+
+# How long one wait for a pub/sub message lasts before the listener looks again.
+LISTEN_S = 1.0
+# Backoff between attempts to subscribe again after Redis went away.
+RESUBSCRIBE_S = (0.5, 5.0)
+
+
+class Ringable(Protocol):
+    """What a subscription rings (bus.doorbell.Doorbell)."""
+
+    armed: bool
+
+    def ring(self) -> None:
+        """Wake the reader."""
+        ...
+
+
+class Bells:
+    """Rings workers' doorbells: `ring` once the broker acknowledged a record in a worker's requests topic."""
+
+    def __init__(self, redis: aioredis.Redis, keys: RedisKeys) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._failing = False
+        self._pending: set[asyncio.Task[None]] = set()
+
+    async def ring(self, worker_id: str) -> None:
+        """Wake `worker_id`'s inbox; a ring Redis does not take is logged once (the inbox polls it anyway)."""
+        try:
+            await self._redis.publish(self._keys.bell(worker_id), b"")
+        except (RedisError, OSError) as exc:
+            if not self._failing:
+                log.warning("could not ring doorbells (%r); idle workers read requests at their next poll", exc)
+                self._failing = True
+            return
+        if self._failing:
+            log.info("ringing doorbells again")
+            self._failing = False
+
+    def ring_soon(self, worker_id: str) -> None:
+        """`ring` from a callback (a delivery report): in a task of its own."""
+        task = asyncio.get_running_loop().create_task(self.ring(worker_id))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+
+class BellSubscription:
+    """Rings `bell` for every message on `channel`; keeps `bell.armed` true exactly while subscribed.
+
+    Rings published while unsubscribed are lost, so the first moment subscribed again counts as a ring.
+    """
+
+    def __init__(self, url: str, channel: str, name: str, bell: Ringable) -> None:
+        self._url = url
+        self._channel = channel
+        self._name = name
+        self._bell = bell
+        bell.armed = False
+        self._task: asyncio.Task[None] | None = None
+        self.rings = 0  # messages heard
+
+    def start(self) -> None:
+        """Subscribe in the background (the reader polls until the subscription stands)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._listen(), name=f"doorbell {self._name}")
+
+    async def stop(self) -> None:
+        """Unsubscribe; the reader polls from now on."""
+        task, self._task = self._task, None
+        self._bell.armed = False
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _listen(self) -> None:
+        bell = self._bell
+        backoff = RESUBSCRIBE_S[0]
+        lost = False
+        while True:
+            # Its own client: a subscribed connection serves nothing else, and the shared clients' 2 s socket
+            # timeout would cut every quiet second of listening short.
+            client: aioredis.Redis = redis_client(self._url)
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self._channel)
+                bell.armed = True
+                bell.ring()  # rings published while unsubscribed were lost
+                if lost:
+                    log.info("%s: doorbell subscribed again; the reader sleeps while idle", self._name)
+                    lost = False
+                backoff = RESUBSCRIBE_S[0]
+                while True:
+                    if await pubsub.get_message(ignore_subscribe_messages=True, timeout=LISTEN_S) is not None:
+                        self.rings += 1
+                        bell.ring()
+            except (RedisError, OSError) as exc:
+                if not lost:
+                    log.warning("%s: doorbell lost its Redis subscription (%r); polling until it is back",
+                                self._name, exc)  # fmt: skip
+                    lost = True
+            finally:
+                bell.armed = False
+                bell.ring()  # a reader asleep now must poll
+                await asyncio.shield(_close(pubsub, client))
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, RESUBSCRIBE_S[1])
+
+
+async def _close(pubsub: aioredis.client.PubSub, client: aioredis.Redis) -> None:
+    try:
+        await pubsub.aclose()
+        await client.aclose()
+    except (RedisError, OSError):
+        pass

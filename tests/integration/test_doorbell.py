@@ -1,0 +1,156 @@
+"""Doorbells (bus/doorbell.py): an idle reader sleeps with its partitions paused until a writer rings, on the
+real broker and Redis; without a subscription it polls as before."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+from aiokafka import TopicPartition
+
+from bus.doorbell import Doorbell
+from bus.read_spec import Hooks, Options, Poll, Tail
+from bus.reader import Reader
+from kvstore.bells import Bells, BellSubscription
+from kvstore.connect import redis_client
+from launch.services import free_port
+from schemas.names import RedisKeys
+from tests.harness import Harness, until
+from tests.integration.test_bus_reader import Collected, chunk, chunk_decoder, producing, topic_name
+
+pytestmark = pytest.mark.integration
+
+MODEL = "SmolLM2-135M-Instruct"
+# Far longer than any wait below: a record read within them was read because of the ring.
+FALLBACK_MS = 60_000
+
+
+def sleeping_reader(kafka: str, bell: Doorbell, seen: Collected) -> Reader:
+    return Reader(
+        "test", kafka, chunk_decoder, Options(fetch_wait_ms=5, poll=Poll(FALLBACK_MS, 64)), Hooks(seen.handle), bell
+    )
+
+
+async def asleep(reader: Reader, tp: TopicPartition) -> None:
+    """Wait until the reader sleeps: its partition paused, so its fetcher sends nothing."""
+    await until(lambda: _paused(reader, tp), 10, 0.01)
+
+
+async def _paused(reader: Reader, tp: TopicPartition) -> bool:
+    return reader.sleeps > 0 and tp in reader.consumer.paused()
+
+
+async def test_an_idle_reader_sleeps_until_a_writer_rings(kafka: str, redis_url: str, prefix: str) -> None:
+    topic, keys = topic_name(), RedisKeys(prefix)
+    bell = Doorbell()
+    subscription = BellSubscription(redis_url, keys.bell("w1"), "test", bell)
+    seen = Collected()
+    reader = sleeping_reader(kafka, bell, seen)
+    redis = redis_client(redis_url)
+    subscription.start()
+    await reader.start(Tail(topic))
+    try:
+        tp = TopicPartition(topic, 0)
+        async with producing(kafka) as send:
+            for n in range(3):  # asleep, rung, read, asleep again
+                await asleep(reader, tp)
+                slept = reader.sleeps
+                await send(topic, chunk(n))
+                await Bells(redis, keys).ring("w1")
+                await seen.until(n + 1)
+                assert reader.sleeps == slept  # woken by the ring, long before its fallback poll
+        assert seen.seqs == [0, 1, 2]
+        assert subscription.rings == 3
+    finally:
+        await reader.stop()
+        await subscription.stop()
+        await redis.aclose()
+
+
+async def test_a_ring_for_another_reader_does_not_wake_this_one_and_finish_does(
+    kafka: str, redis_url: str, prefix: str
+) -> None:
+    topic, keys = topic_name(), RedisKeys(prefix)
+    bell = Doorbell()
+    subscription = BellSubscription(redis_url, keys.bell("w1"), "test", bell)
+    seen = Collected()
+    reader = sleeping_reader(kafka, bell, seen)
+    redis = redis_client(redis_url)
+    subscription.start()
+    await reader.start(Tail(topic))
+    try:
+        tp = TopicPartition(topic, 0)
+        await asleep(reader, tp)
+        async with producing(kafka) as send:
+            await send(topic, chunk(0))
+        other = Doorbell()
+        listener = BellSubscription(redis_url, keys.bell("w2"), "other", other)  # hears w2's rings
+        listener.start()
+        await until(lambda: _armed(other), 10, 0.01)
+        await Bells(redis, keys).ring("w2")
+        await until(lambda: _heard(listener), 10, 0.01)
+        await listener.stop()
+        assert subscription.rings == 0 and tp in reader.consumer.paused() and not seen.batches
+        # A draining owner's `finished` wakes the loop for one last poll, which reads what is there.
+        assert await reader.finished(10)
+        assert seen.seqs == [0]
+    finally:
+        await reader.stop()
+        await subscription.stop()
+        await redis.aclose()
+
+
+async def _armed(bell: Doorbell) -> bool:
+    return bell.armed
+
+
+async def _heard(subscription: BellSubscription) -> bool:
+    return subscription.rings > 0
+
+
+async def test_without_its_redis_subscription_a_reader_polls(kafka: str) -> None:
+    topic = topic_name()
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    bell = Doorbell()
+    subscription = BellSubscription(dead, "ferry:bell:nobody", "test", bell)
+    seen = Collected()
+    reader = sleeping_reader(kafka, bell, seen)
+    subscription.start()
+    await reader.start(Tail(topic))
+    try:
+        async with producing(kafka) as send:
+            await send(topic, chunk(0))
+            await seen.until(1)  # no ring: read by polling, long before the fallback
+        assert not bell.armed and reader.sleeps == 0
+    finally:
+        await reader.stop()
+        await subscription.stop()
+
+
+async def test_an_idle_worker_sleeps_and_a_frontend_rings_it_per_request(h: Harness) -> None:
+    running = await h.add_worker()
+    quiet = await h.add_worker(doorbell=False)
+    fe, url = await h.add_frontend(router_policy="round_robin")
+    inbox = running.worker._inbox
+    assert inbox.doorbell is not None and quiet.worker._inbox.doorbell is None
+    topic = TopicPartition(inbox.topics.current(running.worker.settings.worker_id), 0)
+    await asleep(inbox.reader, topic)
+    replies = fe.svc.demux.reader
+    await until(lambda: _sleeping(replies), 10, 0.01)  # no stream open: nothing to read
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        for _ in range(4):  # two each, round robin
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert inbox.bell_subscription is not None and inbox.bell_subscription.rings >= 2
+    assert quiet.worker._inbox.reader.sleeps == 0  # --no-doorbell: polls however idle
+
+
+async def _sleeping(reader: Reader) -> bool:
+    return reader.sleeps > 0 and bool(reader.consumer.assignment()) and reader.consumer.assignment() <= reader.consumer.paused()
+
+
+def test_channels_are_per_worker_under_the_prefix() -> None:
+    keys = RedisKeys(f"t{uuid.uuid4().hex[:4]}:")
+    assert keys.bell("a") != keys.bell("b") and keys.bell("a").startswith(keys.prefix)
