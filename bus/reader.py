@@ -88,6 +88,7 @@ class Reader(Generic[T]):
         self.sleeps = 0  # times the loop slept on its doorbell
         self._held: set[TopicPartition] = set()  # paused by the owner (`pause`), not by a sleep
         self._drowsy = False  # the last poll of a reader that may sleep brought nothing
+        self._last_poll_ms = options.poll.timeout_ms  # the poll timeout of the last round (its hook's)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -325,14 +326,16 @@ class Reader(Generic[T]):
         """One poll and everything around it."""
         poll = self._options.poll
         if self._drowsy and self._may_sleep(hooks, stretch):
-            # The last poll brought nothing: sleep out the rest of a poll timeout, then poll (also when
+            # The last poll brought nothing: sleep out the rest of its poll timeout, then poll (also when
             # woken by `finish`, so a last poll reads what arrived meanwhile).
-            await self._sleep(consumer, (poll.timeout_ms - min(poll.timeout_ms, LINGER_MS)) / 1000)
+            last = self._last_poll_ms
+            await self._sleep(consumer, (last - min(last, LINGER_MS)) / 1000)
         if hooks.before_poll is not None:
             poll = await hooks.before_poll() or poll
         # A reader that may sleep polls briefly, and sleeps at the start of the next round if nothing came.
         sleepy = self._may_sleep(hooks, stretch)
         timeout_ms = min(poll.timeout_ms, LINGER_MS) if sleepy else poll.timeout_ms
+        self._last_poll_ms = poll.timeout_ms
         fetched = await consumer.getmany(timeout_ms=timeout_ms, max_records=poll.max_records)
         await stretch.after_poll(bool(fetched))
         if not fetched and watch is not None:

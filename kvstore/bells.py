@@ -58,7 +58,7 @@ class Bells:
             self._failing = False
 
     def ring_soon(self, worker_id: str) -> None:
-        """`ring` from a callback (a delivery report): in a task of its own."""
+        """`ring` without waiting for it (from a delivery report, or off a request's path): in a task of its own."""
         task = asyncio.get_running_loop().create_task(self.ring(worker_id))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)

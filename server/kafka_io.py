@@ -160,7 +160,8 @@ class Dispatcher:
             log.info("Kafka is taking requests again")
             self._broker_ok = True
         if self._bells is not None:
-            await self._bells.ring(worker_id)
+            # Not awaited: a slow Redis must not hold up the request (an unrung inbox reads it at its poll).
+            self._bells.ring_soon(worker_id)
         self._sent_to[(worker_id, request.request_id)] = topic
         self._sent_to.move_to_end((worker_id, request.request_id))
         if len(self._sent_to) > SENT_REMEMBERED:

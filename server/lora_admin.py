@@ -238,7 +238,8 @@ class LoraAdmin:
                     retry_after=2,
                 ) from exc
             if self._bells is not None:
-                await asyncio.gather(*(self._bells.ring(w) for w in targets))
+                for w in targets:
+                    self._bells.ring_soon(w)
             pending = set(targets)
             try:
                 async with asyncio.timeout(self.timeout_s):
