@@ -325,7 +325,7 @@ class Reader(Generic[T]):
     ) -> None:
         """One poll and everything around it."""
         poll = self._options.poll
-        if self._drowsy and self._may_sleep(hooks, stretch):
+        if self._drowsy and self._may_sleep(hooks, stretch) and self._ends_known():
             # The last poll brought nothing: sleep out the rest of its poll timeout, then poll (also when
             # woken by `finish`, so a last poll reads what arrived meanwhile).
             last = self._last_poll_ms
@@ -367,6 +367,13 @@ class Reader(Generic[T]):
             and not stretch.stretched  # records are there, slow to read
             and (hooks.may_sleep is None or hooks.may_sleep())
         )
+
+    def _ends_known(self) -> bool:
+        """Whether a fetch has told the end of every assigned partition: the lag gauge and `LogResetWatch`
+        need it, and a reader that slept right after a (re-)assignment would not learn it until it woke (it
+        polls briefly instead, until a fetch has answered)."""
+        consumer = self._consumer
+        return consumer is not None and all(consumer.highwater(tp) is not None for tp in consumer.assignment())
 
     async def _sleep(self, consumer: AIOKafkaConsumer, timeout_s: float) -> None:
         """No fetches until the doorbell rings or `timeout_s` passes (then the loop polls as usual)."""

@@ -96,6 +96,11 @@ class WorkerMetrics:
             "ferry_worker_kafka_send_errors", "Reply chunks Kafka failed to take", registry=r
         )
         self.kv_events = Counter("ferry_worker_kv_events", "KV events written to the index", registry=r)
+        # 1 while the inbox's doorbell subscription stands (it sleeps while idle), 0 while it polls every
+        # --kafka-fetch-wait-ms (--no-doorbell, or Redis pub/sub away): set by the worker.
+        self.inbox_doorbell = Gauge(
+            "ferry_worker_inbox_doorbell", "1 while the requests inbox sleeps when idle, woken by rings", registry=r
+        )
         self.kv_publish_errors = Counter(
             "ferry_worker_kv_publish_errors", "KV event writes Redis did not take", registry=r
         )

@@ -78,6 +78,8 @@ class Worker:
         self.ops = EngineOps(engine, s.worker_id, self.heartbeat, index, self.serving.idle, s.drain_grace_s)
         self.lora.engine_ops = self.ops.apply
         self._inbox = Inbox(s, self.serving, self.lora, self.metrics, self._set_fatal, self._log_lost)
+        bell = self._inbox.doorbell
+        self.metrics.inbox_doorbell.set_function(lambda: float(bell is not None and bell.armed))
         # A tiny real generation now and then: an engine that answers health checks but no longer steps.
         generated = lambda: self.metrics.registry.get_sample_value("ferry_worker_generated_tokens_total") or 0.0  # noqa: E731
         self.canary = Canary(engine, s.served_model_name, s.worker_id, self.serving.idle, generated,

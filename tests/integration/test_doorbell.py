@@ -145,6 +145,8 @@ async def test_an_idle_worker_sleeps_and_a_frontend_rings_it_per_request(h: Harn
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert inbox.bell_subscription is not None and inbox.bell_subscription.rings >= 2
     assert quiet.worker._inbox.reader.sleeps == 0  # --no-doorbell: polls however idle
+    assert running.worker.metrics.registry.get_sample_value("ferry_worker_inbox_doorbell") == 1.0
+    assert quiet.worker.metrics.registry.get_sample_value("ferry_worker_inbox_doorbell") == 0.0
 
 
 async def _sleeping(reader: Reader) -> bool:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -243,6 +244,18 @@ async def _running_somewhere(fe: Frontend, children: Mapping[str, object]) -> bo
     return any(w.running for wid, w in fe.pool.workers.items() if wid in children)
 
 
+async def _worker_samples(c: httpx.AsyncClient, url: str, wid: str) -> list[Any]:
+    """The `ferry_` samples at `url` once they hold the worker's consumer lag: set at each heartbeat, from the
+    inbox's first fetch on."""
+    async with asyncio.timeout(10):
+        while True:
+            text = (await c.get(url)).text
+            samples = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name.startswith("ferry_")]
+            if any(s.name == "ferry_kafka_consumer_lag" and s.labels["topic"].endswith(wid) for s in samples):
+                return samples
+            await asyncio.sleep(0.05)
+
+
 async def test_discovery_lists_every_live_process_and_their_metrics_agree(h: Harness) -> None:
     workers = [await h.add_worker(), await h.add_worker()]
     fe, url = await h.add_frontend()
@@ -260,10 +273,8 @@ async def test_discovery_lists_every_live_process_and_their_metrics_agree(h: Har
             g = by_id[wid]
             assert g["labels"]["role"] == "worker"
             # The advertised address is where the worker's metrics really are, labelled with model and worker.
-            text = (await c.get(f"http://{g['targets'][0]}{g['labels']['__metrics_path__']}")).text
-            samples = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name.startswith("ferry_")]
+            samples = await _worker_samples(c, f"http://{g['targets'][0]}{g['labels']['__metrics_path__']}", wid)
             assert samples and all(s.labels["worker"] == wid and s.labels["model"] == MODEL for s in samples)
-            assert any(s.name == "ferry_kafka_consumer_lag" and s.labels["topic"].endswith(wid) for s in samples)
         front = by_id[fe.settings.frontend_id]
         assert front["labels"]["role"] == "frontend" and front["targets"] == [url.removeprefix("http://")]
         # A worker that stops drops out of the next answer, and its /metrics server is gone with it.
