@@ -3,11 +3,15 @@ real broker and Redis; without a subscription it polls as before."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import httpx
 import pytest
 from aiokafka import TopicPartition
+from redis.asyncio import Redis
 
 from bus.doorbell import Doorbell
 from bus.read_spec import Hooks, Options, Poll, Tail
@@ -41,7 +45,21 @@ async def _paused(reader: Reader, tp: TopicPartition) -> bool:
     return reader.sleeps > 0 and tp in reader.consumer.paused()
 
 
-async def test_an_idle_reader_sleeps_until_a_writer_rings(kafka: str, redis_url: str, prefix: str) -> None:
+@dataclass
+class Rung:
+    """A reader of a fresh topic sleeping on worker "w1"'s bell, and what the test needs around it."""
+
+    topic: str
+    keys: RedisKeys
+    reader: Reader
+    subscription: BellSubscription
+    seen: Collected
+    redis: Redis
+
+
+@contextlib.asynccontextmanager
+async def rung_reader(kafka: str, redis_url: str, prefix: str) -> AsyncIterator[Rung]:
+    """Start a reader with a doorbell subscribed to "w1"'s channel; stop everything after the test."""
     topic, keys = topic_name(), RedisKeys(prefix)
     bell = Doorbell()
     subscription = BellSubscription(redis_url, keys.bell("w1"), "test", bell)
@@ -51,35 +69,32 @@ async def test_an_idle_reader_sleeps_until_a_writer_rings(kafka: str, redis_url:
     subscription.start()
     await reader.start(Tail(topic))
     try:
-        tp = TopicPartition(topic, 0)
-        async with producing(kafka) as send:
-            for n in range(3):  # asleep, rung, read, asleep again
-                await asleep(reader, tp)
-                slept = reader.sleeps
-                await send(topic, chunk(n))
-                await Bells(redis, keys).ring("w1")
-                await seen.until(n + 1)
-                assert reader.sleeps == slept  # woken by the ring, long before its fallback poll
-        assert seen.seqs == [0, 1, 2]
-        assert subscription.rings == 3
+        yield Rung(topic, keys, reader, subscription, seen, redis)
     finally:
         await reader.stop()
         await subscription.stop()
         await redis.aclose()
 
 
+async def test_an_idle_reader_sleeps_until_a_writer_rings(kafka: str, redis_url: str, prefix: str) -> None:
+    async with rung_reader(kafka, redis_url, prefix) as r, producing(kafka) as send:
+        tp = TopicPartition(r.topic, 0)
+        for n in range(3):  # asleep, rung, read, asleep again
+            await asleep(r.reader, tp)
+            slept = r.reader.sleeps
+            await send(r.topic, chunk(n))
+            await Bells(r.redis, r.keys).ring("w1")
+            await r.seen.until(n + 1)
+            assert r.reader.sleeps == slept  # woken by the ring, long before its fallback poll
+        assert r.seen.seqs == [0, 1, 2]
+        assert r.subscription.rings == 3
+
+
 async def test_a_ring_for_another_reader_does_not_wake_this_one_and_finish_does(
     kafka: str, redis_url: str, prefix: str
 ) -> None:
-    topic, keys = topic_name(), RedisKeys(prefix)
-    bell = Doorbell()
-    subscription = BellSubscription(redis_url, keys.bell("w1"), "test", bell)
-    seen = Collected()
-    reader = sleeping_reader(kafka, bell, seen)
-    redis = redis_client(redis_url)
-    subscription.start()
-    await reader.start(Tail(topic))
-    try:
+    async with rung_reader(kafka, redis_url, prefix) as r:
+        topic, keys, reader, subscription, seen, redis = r.topic, r.keys, r.reader, r.subscription, r.seen, r.redis
         tp = TopicPartition(topic, 0)
         await asleep(reader, tp)
         async with producing(kafka) as send:
@@ -95,10 +110,6 @@ async def test_a_ring_for_another_reader_does_not_wake_this_one_and_finish_does(
         # A draining owner's `finished` wakes the loop for one last poll, which reads what is there.
         assert await reader.finished(10)
         assert seen.seqs == [0]
-    finally:
-        await reader.stop()
-        await subscription.stop()
-        await redis.aclose()
 
 
 async def _armed(bell: Doorbell) -> bool:
