@@ -11,22 +11,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import msgspec
 
+from bench.overhead.measure import pct
 from bench.sse_client import Connection, stream_stats
 from bench.stack import FerryStack
 
 VARIANTS = {"doorbell": [], "no-doorbell": ["--no-doorbell"]}
-
-
-def quantile(values: list[float], q: float) -> float:
-    """The q-quantile (nearest rank) of `values`."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 async def measure(name: str, args: argparse.Namespace) -> dict[str, object]:
@@ -55,18 +49,19 @@ async def measure(name: str, args: argparse.Namespace) -> dict[str, object]:
         conn.close()
     finally:
         await stack.stop()
-    stack_cpu = sum(v for k, v in idle.processes.items())
+    stack_cpu = sum(idle.processes.values())
+    p50, p90 = pct(ttfts, 50), pct(ttfts, 90)
     print(
         f"{name:12s} idle CPU {stack_cpu:6.1f}% of a core (broker {idle.processes.get('kafka', 0):.1f}, "
-        f"frontend {idle.processes.get('frontend', 0):.1f}); TTFT p50 {statistics.median(ttfts):.1f} ms, "
-        f"p90 {quantile(ttfts, 0.9):.1f} ms; {failed} failed",
+        f"frontend {idle.processes.get('frontend', 0):.1f}); TTFT p50 {p50:.1f} ms, p90 {p90:.1f} ms; "
+        f"{failed} failed",
         flush=True,
     )
     return {
         "variant": name,
         "idle": idle.to_json(),
         "idle_stack_percent": round(stack_cpu, 1),
-        "ttft_ms": {"p50": round(statistics.median(ttfts), 2), "p90": round(quantile(ttfts, 0.9), 2)},
+        "ttft_ms": {"p50": round(p50, 2), "p90": round(p90, 2)},
         "requests": args.requests,
         "failed": failed,
     }

@@ -14,15 +14,16 @@ at most the reader's poll timeout: a sleeping reader fetches then anyway, and a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 
 class Doorbell:
     """`ring` wakes whoever waits, or makes the next wait return at once."""
 
-    def __init__(self, armed: bool = True) -> None:
+    def __init__(self) -> None:
         self._rung = asyncio.Event()
-        # Whether a reader may sleep on this bell: False while rings cannot reach it.
-        self.armed = armed
+        # Whether a reader may sleep on this bell: False while rings cannot reach it (kvstore/bells.py).
+        self.armed = True
 
     def ring(self) -> None:
         """Something may have been written: wake the reader (now, or at its next wait)."""
@@ -32,13 +33,8 @@ class Doorbell:
         """Forget rings so far (the reader is about to fetch, and will see what they announced)."""
         self._rung.clear()
 
-    async def wait(self, timeout_s: float) -> bool:
-        """Wait for a ring, at most `timeout_s`; True if one came (or had come since the last `clear`)."""
-        if self._rung.is_set():
-            return True
-        try:
+    async def wait(self, timeout_s: float) -> None:
+        """Wait for a ring (at once if one came since the last `clear`), at most `timeout_s`."""
+        with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._rung.wait()
-        except TimeoutError:
-            return False
-        return True

@@ -215,8 +215,8 @@ class Reader(Generic[T]):
     def resume(self, *tps: TopicPartition) -> None:
         """Read `tps` again (after `pause`)."""
         self._held.difference_update(tps)
-        held = self.consumer.assignment()
-        self.consumer.resume(*(tp for tp in tps if tp in held))
+        assigned = self.consumer.assignment()
+        self.consumer.resume(*(tp for tp in tps if tp in assigned))
 
     async def position(self, tp: TopicPartition) -> int:
         """The offset the next record of `tp` will have (waits while it is being resolved)."""
