@@ -73,7 +73,10 @@ async def _generate(kind: Kind, fe: Frontend, request: Request) -> Response:
     with fe.metrics.tokenize_seconds.time():
         prepared = await kind.prepare(fe.pre, req, max_len)
     if fe.settings.log_prompts:
-        log.info("%s prompt(s): %r", kind.name, prepared.prompt_texts)  # only when asked: prompts are private
+        # Only when asked: prompts are private. A token-id prompt is logged as its ids (its text is decoded
+        # only for an echo).
+        shown = [t or p for t, p in zip(prepared.prompt_texts, prepared.prompts, strict=True)]
+        log.info("%s prompt(s): %r", kind.name, shown)
     prompt_tokens = sum(len(p) for p in prepared.prompts)
     fe.metrics.prompt_tokens.inc(prompt_tokens)
     limits = await admit_tenant(request, prompt_tokens)  # 429 over the tenant's quota
