@@ -84,11 +84,14 @@ return #ARGV
 # one GET. The chain arrives as one string of 16-hex-digit hashes and the answer leaves as one string of
 # "worker\ndepth" lines: packing and parsing a hundred arguments and replies each way would cost the client more than
 # the walk. A second string has "worker\nhost" lines for the found workers listed in `kvho`: how many of their leading
-# blocks are only on their host tier (empty, and nothing walked twice, while no worker has host-only blocks).
+# blocks are only on their host tier (empty, and nothing walked twice, while no worker has host-only blocks). The
+# third is the registry marker (empty when missing): a frontend learns from its next lookup that Redis came back
+# empty, instead of routing on the empty index until its indexer next reads the marker (server/kv_indexer.py).
 _LOOKUP = (
     _FINGERPRINT
     + """
 local p, model, chain = ARGV[1], ARGV[2], ARGV[3]
+local marker = redis.call('GET', ARGV[4]) or ''
 local out, hosts, names = {}, {}, {}
 local tiered = {}
 for _, w in ipairs(redis.call('SMEMBERS', p .. 'kvho')) do tiered[w] = true end
@@ -145,7 +148,7 @@ end
 if alive ~= nil then
   for w in pairs(alive) do found(w, depth) end
 end
-return {table.concat(out, '\\n'), table.concat(hosts, '\\n')}
+return {table.concat(out, '\\n'), table.concat(hosts, '\\n'), marker}
 """
 )
 
@@ -164,6 +167,7 @@ class KVIndex:
     def __init__(self, client: aioredis.Redis, keys: RedisKeys) -> None:
         self._redis = client
         self._prefix = keys.prefix
+        self._marker_key = keys.registry_marker()
         self._apply = client.register_script(_APPLY)
         self._lookup = client.register_script(_LOOKUP)
 
@@ -218,12 +222,22 @@ class KVIndex:
         """For each worker holding the first block: (leading blocks it holds, how many of them only on host)."""
         if not block_hashes:
             return {}
-        raw, raw_hosts = await self._lookup(args=[self._prefix, model, "".join(map(_hex, block_hashes))])
+        return (await self.lookup(model, block_hashes))[0]
+
+    async def lookup(
+        self, model: str, block_hashes: Sequence[int]
+    ) -> tuple[dict[str, tuple[int, int]], str | None]:
+        """`tiered_overlaps` of a non-empty chain, and the registry marker read in the same call (None: missing,
+        Redis was emptied and no registry read has set it again yet)."""
+        raw, raw_hosts, raw_marker = await self._lookup(
+            args=[self._prefix, model, "".join(map(_hex, block_hashes)), self._marker_key]
+        )
+        marker = (raw_marker.decode() if isinstance(raw_marker, bytes) else raw_marker) or None
         if not raw:
-            return {}
+            return {}, marker
         parts = (raw.decode() if isinstance(raw, bytes) else raw).split("\n")
         if not raw_hosts:
-            return {w: (int(n), 0) for w, n in zip(parts[::2], parts[1::2], strict=True)}
+            return {w: (int(n), 0) for w, n in zip(parts[::2], parts[1::2], strict=True)}, marker
         hosts = (raw_hosts.decode() if isinstance(raw_hosts, bytes) else raw_hosts).split("\n")
         host = dict(zip(hosts[::2], map(int, hosts[1::2]), strict=True))
-        return {w: (int(n), host.get(w, 0)) for w, n in zip(parts[::2], parts[1::2], strict=True)}
+        return {w: (int(n), host.get(w, 0)) for w, n in zip(parts[::2], parts[1::2], strict=True)}, marker

@@ -5,20 +5,22 @@ Every frontend follows the log's current and previous epoch (each opens with eve
 a `KVMirror`, assigning the partitions itself (no consumer group: the embedded broker's first group join is
 slow). One frontend per model holds a lease in Redis (SET NX PX, renewed every tick); it writes back:
 
-- after Redis came back empty (a new value of the registry marker): each worker's mirrored blocks, once the
-  mirror has caught up with the log and the worker is registered again under the same start time. A worker
-  that is not (killed, restarted, draining) is never written back, whatever the log still holds of it;
+- after Redis came back empty (a new value of the registry marker, read by every round and every router
+  lookup): each worker's mirrored blocks, once the mirror has caught up with the log and the worker is
+  registered again under the same start time. A worker that is not (killed, restarted, draining) is never
+  written back, whatever the log still holds of it;
 - when it starts (a cold frontend, perhaps after Redis and every frontend restarted): each registered
   worker whose index entries are fewer than half its mirrored blocks.
 
 It also deletes the log's epochs older than the one before the previous one (a reader may still hold that
-one). While a write-back is due, the index is incomplete: `ferry_kv_index_rebuilding` is 1 and `/ready` says
-so; the workers not written back yet have no entries, so routing weighs only their load.
+one). While a write-back is due, the index is incomplete: `ferry_kv_index_rebuilding` is 1, `/ready` says so,
+and the router asks the mirror instead (server/router.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -87,6 +89,7 @@ class KVIndexer:
         self.rebuilding = False
         self.lag = 0
         self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()  # run the next round now, not at the next tick
         r = metrics.registry
         self._g_rebuilding = Gauge(
             "ferry_kv_index_rebuilding", "1 while this frontend knows the KV index lacks workers the KV log has",
@@ -125,6 +128,18 @@ class KVIndexer:
         if model != self._model:
             return {}
         return self.mirror.overlaps(chain, self._workers())
+
+    def marker_changed(self, marker: str | None) -> bool:
+        """Whether `marker` (read by a router lookup) differs from the one the last round read: Redis lost its
+        data in between. The index counts as rebuilding from then on, and the round that starts the write-back
+        runs at once instead of up to a quarter heartbeat later."""
+        if not self._seen or marker == self._marker:
+            return False
+        if not self.rebuilding:
+            self.rebuilding = True
+            self._g_rebuilding.set(1)
+            self._wake.set()
+        return True
 
     def detail(self) -> dict[str, Any]:
         """What `/ready` says about the index."""
@@ -179,7 +194,10 @@ class KVIndexer:
                 await self.tick()
             except Exception as exc:
                 log.debug("KV indexer round failed: %r", exc)  # Redis away: the pool logs that once
-            await asyncio.sleep(self._s.heartbeat_interval_s / 4)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._s.heartbeat_interval_s / 4):
+                    await self._wake.wait()
+            self._wake.clear()
 
     async def tick(self) -> None:
         """One round: notice an emptied Redis, take or renew the lease, write back what is due, sweep."""

@@ -41,6 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from redis.exceptions import RedisError
+
 from kvstore.hashing import block_hashes, chain_seed
 from kvstore.kv_index import KVIndex
 from kvstore.load import WorkerLoad
@@ -110,6 +112,11 @@ class Standby(Protocol):
 
     def overlaps(self, model: str, chain: list[int]) -> dict[str, tuple[int, int]]:
         """As `KVIndex.tiered_overlaps`."""
+        ...
+
+    def marker_changed(self, marker: str | None) -> bool:
+        """Whether the registry marker a lookup read says Redis lost its data since the copy last looked (the
+        copy then answers, and starts rebuilding the index at once)."""
         ...
 
 
@@ -246,14 +253,14 @@ class Router:
     async def _overlaps(self, model: str, chain: list[int]) -> dict[str, tuple[int, int]]:
         if self.approx is not None:
             return {w: (n, 0) for w, n in self.approx.overlaps(model, chain, self._clock()).items()}
-        if self._index is None:
+        if self._index is None or not chain:
             return {}
         if self.standby is not None and self.standby.rebuilding:
             return self.standby.overlaps(model, chain)
         t0 = time.perf_counter()
         try:
-            found = await self._index.tiered_overlaps(model, chain)
-        except Exception as exc:
+            found, marker = await self._index.lookup(model, chain)
+        except (RedisError, OSError, TimeoutError) as exc:
             # Never fail a request because the index is down: route by load alone meanwhile.
             self._metrics.redis_errors.inc()
             self._index_failed_at = time.monotonic()
@@ -269,6 +276,9 @@ class Router:
             log.info("KV index reachable again: cache-aware routing resumed")
             self.index_ok = True
             self._metrics.kv_index_up.set(1)
+        if self.standby is not None and self.standby.marker_changed(marker):
+            # Redis came back empty since the indexer last read the marker: its answer is an empty index.
+            return self.standby.overlaps(model, chain)
         return found
 
     def load(self, worker_id: str) -> WorkerLoad:

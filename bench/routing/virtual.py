@@ -177,6 +177,12 @@ class MemoryIndex:
         """As KVIndex's: (leading blocks held, of which only on a host tier); this copy has no host tiers."""
         return {w: (n, 0) for w, n in (await self.overlaps(model, block_hashes)).items()}
 
+    async def lookup(
+        self, model: str, block_hashes: Sequence[int]
+    ) -> tuple[dict[str, tuple[int, int]], str | None]:
+        """As KVIndex's: the overlaps and the registry marker (this copy is never emptied: one constant)."""
+        return await self.tiered_overlaps(model, block_hashes), "virtual"
+
     async def overlaps(self, model: str, block_hashes: Sequence[int]) -> dict[str, int]:
         """Leading blocks of the chain each worker holds (workers holding none are absent)."""
         out: dict[str, int] = {}

@@ -244,3 +244,26 @@ async def test_the_log_rolls_old_epochs_are_deleted_and_snapshots_carry_the_stat
         return await _held(client, prefix, wid) == before[wid]
 
     await until(back, 15)
+
+
+async def test_a_lookup_notices_an_empty_restart_before_the_indexer_round(
+    hh: Harness, own: OwnRedis, client: aioredis.Redis, prefix: str
+) -> None:
+    """The requests right after an empty restart are routed to the workers caching their prompts: each lookup
+    reads the registry marker too, so the mirror answers from the first one on, without waiting for the
+    indexer's next round (a quarter of a 60 s heartbeat here)."""
+    a, b = await hh.add_worker(), await hh.add_worker()
+    fe, url = await hh.add_frontend(heartbeat_interval_s=60.0)  # the kv policy
+    # Without the credit for prompts that just finished here, only the index (or its copy) knows the prompts.
+    fe.svc.router.recent = None
+    prompts = [_prompt(i, 10) for i in range(30, 34)]
+    served = await _serve(url, prompts)
+    await _logged(client, prefix, [w for w in (a, b) if w.worker.settings.worker_id in served])
+    indexer = fe.indexer
+    assert indexer is not None and not indexer.rebuilding
+    await own.restart_empty()
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        for p, wid in zip(prompts, served, strict=True):
+            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert (r.headers["x-ferry-worker"], r.headers["x-ferry-predicted-cached-blocks"]) == (wid, "10")

@@ -127,15 +127,18 @@ class _Standby:
     def overlaps(self, model: str, chain: list[int]) -> dict[str, tuple[int, int]]:
         return self.mirror.overlaps(chain, ["a", "b"])
 
+    def marker_changed(self, marker: str | None) -> bool:
+        return False  # the marker the rebuild round read
+
 
 class _EmptiedIndex:
     def __init__(self) -> None:
         self.fail = False
 
-    async def tiered_overlaps(self, model: str, chain: list[int]) -> dict[str, tuple[int, int]]:
+    async def lookup(self, model: str, chain: list[int]) -> tuple[dict[str, tuple[int, int]], str | None]:
         if self.fail:
             raise ConnectionError("redis down")
-        return {}  # Redis came back empty
+        return {}, "m1"  # Redis came back empty
 
 
 async def test_the_router_asks_the_mirror_while_the_index_is_rebuilt_or_down() -> None:

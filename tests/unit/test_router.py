@@ -28,12 +28,13 @@ class FakeIndex:
         self.host = host or {}  # of the held blocks, how many only on the worker's host tier
         self.fail = False
         self.calls = 0
+        self.marker: str | None = "m0"  # the registry marker each lookup reads
 
-    async def tiered_overlaps(self, model: str, chain: list[int]) -> dict[str, tuple[int, int]]:
+    async def lookup(self, model: str, chain: list[int]) -> tuple[dict[str, tuple[int, int]], str | None]:
         self.calls += 1
         if self.fail:
             raise ConnectionError("redis down")
-        return {w: (min(n, len(chain)), self.host.get(w, 0)) for w, n in self.held.items() if n}
+        return {w: (min(n, len(chain)), self.host.get(w, 0)) for w, n in self.held.items() if n}, self.marker
 
 
 def _router(policy: str = "kv", index: FakeIndex | None = None, seed: int = 0, **cfg: object) -> Router:
@@ -90,6 +91,33 @@ async def test_kv_counts_host_tier_blocks_at_their_weight(host: int, weight: flo
     assert (d.predicted_cached_blocks, d.predicted_host_blocks) == expected
     # Loading host blocks back is not prefill: the tokens to compute are the uncached ones.
     assert d.prefill_tokens == 160 - expected[0] * 16
+
+
+class FakeStandby:
+    """The KV log's copy of the index: answers with its own holders; the marker it last read is `marker`."""
+
+    def __init__(self, held: dict[str, int], marker: str | None) -> None:
+        self.held, self.marker, self.rebuilding = held, marker, False
+
+    def overlaps(self, model: str, chain: list[int]) -> dict[str, tuple[int, int]]:
+        return {w: (n, 0) for w, n in self.held.items()}
+
+    def marker_changed(self, marker: str | None) -> bool:
+        return marker != self.marker
+
+
+@pytest.mark.parametrize("marker", ["m0", "m1", None], ids=["same", "new", "missing"])
+async def test_a_lookup_reading_another_marker_is_answered_by_the_copy(marker: str | None) -> None:
+    # Redis answers with an empty index; whether that is the truth depends on the marker read with it.
+    idx = FakeIndex({})
+    idx.marker = marker
+    r = _router(index=idx)
+    r.standby = FakeStandby({"b": 8}, marker="m0")
+    d = await r.choose("m", [_w("a"), _w("b")], PromptMemo(PROMPT))
+    assert idx.calls == 1
+    assert d.predicted_cached_blocks == (0 if marker == "m0" else 8)
+    if marker != "m0":
+        assert d.worker_id == "b"
 
 
 async def test_kv_load_pushes_requests_away_from_a_busy_holder() -> None:
