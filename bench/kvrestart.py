@@ -4,8 +4,12 @@ Issue 20's case: tenants whose contexts together exceed one worker's KV cache (b
 blocks on 8 sim workers of 400 blocks), so cache-aware routing keeps each tenant's context on a worker.
 After a warm-up, the cached fraction (cached prompt tokens / prompt tokens) of `--steady` requests is the
 baseline; then Redis is restarted empty on its port and the next `--after` requests (in windows of 50)
-are measured the same way, without pause. `--no-kv-log` runs workers and frontend without the KV log (the
-index then only comes back as blocks are stored again). Prints a table, writes JSON.
+are measured the same way, by default without pause. `--pause-s S` idles S seconds after Redis is back: a
+frontend counts the prompts it saw finish in the last 2 s as held by their workers (`RECENT_S` in
+server/router.py), which without a pause covers every tenant at this request rate, so only with a longer
+pause does routing depend on the index alone (Redis, or the frontend's mirror while it is written back).
+`--no-kv-log` runs workers and frontend without the KV log (the index then only comes back as blocks are
+stored again). Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -123,6 +127,7 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
             steady = await _window(c, args.steady, args, rng, contexts)
             await redis.stop()
             redis, _ = await start_redis(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+            await asyncio.sleep(args.pause_s)  # idle on purpose: see the module docstring
             after = [await _window(c, 50, args, rng, contexts) for _ in range(max(args.after // 50, 1))]
             ready = (await c.get("/ready")).json()
     finally:
@@ -151,6 +156,8 @@ def cli() -> None:
     p.add_argument("--steady", type=int, default=100)
     p.add_argument("--after", type=int, default=150, help="requests after the restart, in windows of 50")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--pause-s", type=float, default=0.0,
+                   help="seconds from Redis being back to the first measured request (default 0)")  # fmt: skip
     p.add_argument(
         "--no-kv-log", action="store_true", help="workers and frontend without the KV log (before)"
     )
@@ -161,7 +168,7 @@ def cli() -> None:
     steady = out["steady"]
     assert isinstance(steady, dict)
     print(
-        f"kv log: {'off' if args.no_kv_log else 'on'}; steady cached fraction {steady['cached_fraction']:.3f}"
+        f"kv log: {'off' if args.no_kv_log else 'on'}; pause {args.pause_s:g} s; steady cached fraction {steady['cached_fraction']:.3f}"
     )
     after, ratios = out["after"], out["ratios"]
     assert isinstance(after, list) and isinstance(ratios, list)
