@@ -12,6 +12,7 @@ import logging
 from typing import Protocol
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from kvstore.connect import redis_client
@@ -46,8 +47,14 @@ class Bells:
 
     async def ring(self, worker_id: str) -> None:
         """Wake `worker_id`'s inbox; a ring Redis does not take is logged once (the inbox polls it anyway)."""
+        channel = self._keys.bell(worker_id)
         try:
-            await self._redis.publish(self._keys.bell(worker_id), b"")
+            try:
+                await self._redis.publish(channel, b"")
+            except (RedisConnectionError, OSError):
+                # A pooled connection that a restarted Redis closed fails its next command, and this ring would
+                # cost a sleeping inbox its whole fallback poll: once more, on a connection made afresh.
+                await self._redis.publish(channel, b"")
         except (RedisError, OSError) as exc:
             if not self._failing:
                 log.warning("could not ring doorbells (%r); idle workers read requests at their next poll", exc)

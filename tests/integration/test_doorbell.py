@@ -18,7 +18,7 @@ from bus.read_spec import Hooks, Options, Poll, Tail
 from bus.reader import Reader
 from kvstore.bells import Bells, BellSubscription
 from kvstore.connect import redis_client
-from launch.services import free_port
+from launch.services import free_port, start_redis
 from schemas.names import RedisKeys
 from tests.harness import Harness, until
 from tests.integration.test_bus_reader import Collected, chunk, chunk_decoder, producing, topic_name
@@ -167,3 +167,28 @@ async def _sleeping(reader: Reader) -> bool:
 def test_channels_are_per_worker_under_the_prefix() -> None:
     keys = RedisKeys(f"t{uuid.uuid4().hex[:4]}:")
     assert keys.bell("a") != keys.bell("b") and keys.bell("a").startswith(keys.prefix)
+
+
+async def test_the_first_ring_after_an_empty_redis_restart_arrives() -> None:
+    """A restart closes the ringer's pooled connection; its next ring goes out on a new one instead of being
+    lost (a lost ring leaves a sleeping inbox with a request for its whole fallback poll)."""
+    child, url = await start_redis()
+    client, listener = redis_client(url), None
+    keys = RedisKeys(f"bell{uuid.uuid4().hex[:6]}:")
+    bells = Bells(client, keys)
+    try:
+        await bells.ring("w1")  # the pooled connection the restart will close
+        await child.stop()
+        child, _ = await start_redis(int(url.rsplit(":", 1)[1].split("/")[0]))
+        listener = redis_client(url)
+        pubsub = listener.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(keys.bell("w1"))
+        await pubsub.get_message(timeout=5)  # the subscription's confirmation, which it answers as None
+        await bells.ring("w1")
+        assert await pubsub.get_message(timeout=5) is not None
+        await pubsub.aclose()
+    finally:
+        await client.aclose()
+        if listener is not None:
+            await listener.aclose()
+        await child.stop()
