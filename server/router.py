@@ -265,7 +265,8 @@ class Router:
             self._metrics.redis_errors.inc()
             self._index_failed_at = time.monotonic()
             if self.index_ok:
-                log.error("KV index unreachable (%r): routing by load only until it is back", exc)
+                by = "the KV log's copy of the index" if self.standby is not None else "load only"
+                log.error("KV index unreachable (%r): routing by %s until it is back", exc, by)
                 self.index_ok = False
                 self._metrics.kv_index_up.set(0)
             return self.standby.overlaps(model, chain) if self.standby is not None else {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import Counter
 
@@ -118,6 +119,22 @@ async def test_a_lookup_reading_another_marker_is_answered_by_the_copy(marker: s
     assert d.predicted_cached_blocks == (0 if marker == "m0" else 8)
     if marker != "m0":
         assert d.worker_id == "b"
+
+
+@pytest.mark.parametrize("copy", [True, False], ids=["kv-log-copy", "none"])
+async def test_an_unreachable_index_is_logged_with_what_routes_meanwhile(
+    copy: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    idx = FakeIndex({})
+    idx.fail = True
+    r = _router(index=idx)
+    if copy:
+        r.standby = FakeStandby({"b": 8}, marker="m0")
+    with caplog.at_level(logging.ERROR, logger="ferry.router"):
+        d = await r.choose("m", [_w("a"), _w("b")], PromptMemo(PROMPT))
+    assert d.predicted_cached_blocks == (8 if copy else 0)
+    expected = "routing by the KV log's copy of the index" if copy else "routing by load only"
+    assert expected in caplog.text
 
 
 async def test_kv_load_pushes_requests_away_from_a_busy_holder() -> None:
