@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 from bench.overhead import machine_info
-from launch.services import Child, free_port, start_broker, start_redis
+from launch.services import Child, free_port, restart_redis, start_broker, start_redis
 from schemas.settings import DEFAULT_MODEL_NAME, default_model_path
 
 BLOCK = 64
@@ -126,7 +126,7 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
             warm = await _window(c, args.warmup, args, rng, contexts)
             steady = await _window(c, args.steady, args, rng, contexts)
             await redis.stop()
-            redis, _ = await start_redis(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+            redis = await restart_redis(redis_url)
             await asyncio.sleep(args.pause_s)  # idle on purpose: see the module docstring
             after = [await _window(c, 50, args, rng, contexts) for _ in range(max(args.after // 50, 1))]
             ready = (await c.get("/ready")).json()

@@ -233,11 +233,16 @@ class KVIndex:
             args=[self._prefix, model, "".join(map(_hex, block_hashes)), self._marker_key]
         )
         marker = (raw_marker.decode() if isinstance(raw_marker, bytes) else raw_marker) or None
-        if not raw:
-            return {}, marker
-        parts = (raw.decode() if isinstance(raw, bytes) else raw).split("\n")
-        if not raw_hosts:
-            return {w: (int(n), 0) for w, n in zip(parts[::2], parts[1::2], strict=True)}, marker
+        return _found(raw, raw_hosts), marker
+
+
+def _found(raw: bytes | str, raw_hosts: bytes | str) -> dict[str, tuple[int, int]]:
+    """The lookup script's answer as (leading blocks, of which only on host) per worker."""
+    if not raw:
+        return {}
+    parts = (raw.decode() if isinstance(raw, bytes) else raw).split("\n")
+    host: dict[str, int] = {}
+    if raw_hosts:
         hosts = (raw_hosts.decode() if isinstance(raw_hosts, bytes) else raw_hosts).split("\n")
         host = dict(zip(hosts[::2], map(int, hosts[1::2]), strict=True))
-        return {w: (int(n), host.get(w, 0)) for w, n in zip(parts[::2], parts[1::2], strict=True)}, marker
+    return {w: (int(n), host.get(w, 0)) for w, n in zip(parts[::2], parts[1::2], strict=True)}

@@ -168,3 +168,9 @@ async def start_redis(port: int | None = None, echo: bool = False) -> tuple[Chil
     )
     await child.wait_for_line(lambda line: "Ready to accept connections" in line, 30)
     return child, f"redis://127.0.0.1:{port}/0"
+
+
+async def restart_redis(url: str) -> Child:
+    """Start an empty Redis where `url` (one of `start_redis`'s) points: a restart without persistence."""
+    child, _ = await start_redis(int(url.rsplit(":", 1)[1].split("/")[0]))
+    return child

@@ -240,7 +240,7 @@ class Preprocessor:
         """Tokenize (or accept token ids) and budget a text completion request."""
         if req.suffix:
             raise APIError(400, "`suffix` is not supported by this model.", param="suffix", code="unsupported")
-        prompts, texts = await self._prompts(req.prompt, texts=bool(req.echo))
+        prompts, texts = await self._prompts(req.prompt, echo=bool(req.echo))
         longest = max(len(p) for p in prompts)
         requested = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
         max_tokens = _budget(requested, longest, max_model_len, "prompt", "prompt")
@@ -261,9 +261,9 @@ class Preprocessor:
             show_prompt_logprobs=req.prompt_logprobs is not None,
         )
 
-    async def _prompts(self, prompt: str | list[Any], texts: bool) -> tuple[list[list[int]], list[str]]:
+    async def _prompts(self, prompt: str | list[Any], echo: bool) -> tuple[list[list[int]], list[str]]:
         """The four OpenAI prompt shapes, as token lists and their texts; a token-id prompt's text is decoded
-        only when `texts` (an echo needs it; otherwise it is "" and costs nothing on the event loop)."""
+        only for an `echo` (nothing else reads it; otherwise it is "" and costs nothing on the event loop)."""
         vocab = self.model.vocab_size
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
@@ -282,7 +282,7 @@ class Preprocessor:
                 code="invalid_type",
             )
         prompts: list[list[int]] = []
-        out: list[str] = []
+        texts: list[str] = []
         for item in items:
             if isinstance(item, str):
                 ids = await self._encode(item, add_special_tokens=True)
@@ -296,9 +296,9 @@ class Preprocessor:
                         param="prompt",
                         code="invalid_value",
                     )
-                text = self.model.decode(ids, skip_special_tokens=False) if texts else ""
+                text = self.model.decode(ids, skip_special_tokens=False) if echo else ""
             if not ids:
                 raise APIError(400, "The prompt must not be empty.", param="prompt", code="invalid_value")
             prompts.append(ids)
-            out.append(text)
-        return prompts, out
+            texts.append(text)
+        return prompts, texts

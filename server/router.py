@@ -260,7 +260,7 @@ class Router:
         t0 = time.perf_counter()
         try:
             found, marker = await self._index.lookup(model, chain)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (RedisError, OSError) as exc:  # OSError: sockets' and timeouts'
             # Never fail a request because the index is down: route by load alone meanwhile.
             self._metrics.redis_errors.inc()
             self._index_failed_at = time.monotonic()

@@ -18,7 +18,7 @@ from bus.read_spec import Hooks, Options, Poll, Tail
 from bus.reader import Reader
 from kvstore.bells import Bells, BellSubscription
 from kvstore.connect import redis_client
-from launch.services import free_port, start_redis
+from launch.services import free_port, restart_redis, start_redis
 from schemas.names import RedisKeys
 from tests.harness import Harness, until
 from tests.integration.test_bus_reader import Collected, chunk, chunk_decoder, producing, topic_name
@@ -179,7 +179,7 @@ async def test_the_first_ring_after_an_empty_redis_restart_arrives() -> None:
     try:
         await bells.ring("w1")  # the pooled connection the restart will close
         await child.stop()
-        child, _ = await start_redis(int(url.rsplit(":", 1)[1].split("/")[0]))
+        child = await restart_redis(url)
         listener = redis_client(url)
         pubsub = listener.pubsub(ignore_subscribe_messages=True)
         await pubsub.subscribe(keys.bell("w1"))

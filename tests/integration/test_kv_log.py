@@ -23,7 +23,7 @@ from redis.exceptions import ConnectionError
 from bus.topics import existing_topics
 from kvstore.hashing import block_hashes, chain_seed
 from kvstore.kv_index import KVIndex
-from launch.services import Child, start_redis
+from launch.services import Child, restart_redis, start_redis
 from schemas.names import RedisKeys, kv_log_topic
 from server.frontend import Frontend
 from tests.harness import Harness, RunningWorker, harness, until
@@ -41,7 +41,7 @@ class OwnRedis:
 
     async def restart_empty(self) -> None:
         await self.child.stop()
-        self.child, _ = await start_redis(int(self.url.rsplit(":", 1)[1].split("/")[0]))
+        self.child = await restart_redis(self.url)
 
 
 @pytest_asyncio.fixture

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from launch.services import Child, start_broker, start_redis
+from launch.services import Child, restart_redis, start_broker, start_redis
 from tests.harness import Harness, harness, sse_events
 
 pytestmark = pytest.mark.integration
@@ -52,7 +52,7 @@ class Services:
 
     async def restart_redis(self) -> None:
         """Start a new (empty) Redis on the same port."""
-        self.redis, _ = await start_redis(int(self.redis_url.rsplit(":", 1)[1].split("/")[0]))
+        self.redis = await restart_redis(self.redis_url)
 
 
 @pytest_asyncio.fixture
