@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import Protocol, TypeVar
 
@@ -101,6 +101,10 @@ class Engine(Protocol):
 
     async def abort(self, request_id: str) -> None:
         """Stop one request and free its blocks; a no-op if it is unknown or done."""
+
+    def pace_outputs(self, room: Callable[[], Awaitable[None]]) -> None:
+        """Have the engine await `room()` before it makes more outputs in its own loop (outputs it hands over
+        inside its step); an engine whose outputs are only iterated is paced by its readers instead."""
 
     def kv_events(self) -> AsyncIterator[KVEventBatch]:
         """Batches of KV events in Ferry block hashes, one per engine step that changed the cache."""

@@ -13,19 +13,31 @@ from schemas.kafka import GenerateRequest
 from schemas.kv_events import KVEventBatch
 from workers.engine import EngineError, EngineOutput
 
+# Takes each output of a sequence as the engine makes it, synchronously (OutputStream.push_to).
+OutputSink = Callable[[EngineOutput], None]
+
 
 class Mailbox:
-    """One request's pending output: deltas merge while the consumer lags (vLLM's RequestOutputCollector)."""
+    """One request's pending output: deltas merge while the consumer lags (vLLM's RequestOutputCollector).
 
-    __slots__ = ("_error", "_pending", "_ready")
+    With a sink (`push_to`) nothing waits here: each delta goes to the sink inside the engine's step, so a
+    step's outputs cost no task wake-up per sequence.
+    """
+
+    __slots__ = ("_done", "_error", "_pending", "_ready", "_sink")
 
     def __init__(self) -> None:
         self._pending: EngineOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
+        self._sink: OutputSink | None = None
+        self._done: asyncio.Future[None] | None = None
 
     def put(self, out: EngineOutput) -> None:
-        """Add a delta, merged into one still unread."""
+        """Add a delta, merged into one still unread (or handed to the sink)."""
+        if self._sink is not None:
+            self._deliver(out)
+            return
         pending = self._pending
         if pending is None:
             self._pending = out
@@ -40,8 +52,10 @@ class Mailbox:
         self._ready.set()
 
     def fail(self, error: BaseException) -> None:
-        """Make the next get() raise `error` once what is pending was read."""
+        """Make the next get() raise `error` once what is pending was read (with a sink: end it with `error`)."""
         self._error = error
+        if self._done is not None and not self._done.done():
+            self._done.set_exception(error)
         self._ready.set()
 
     async def get(self) -> EngineOutput:
@@ -55,22 +69,57 @@ class Mailbox:
             self._ready.clear()
             await self._ready.wait()
 
+    def push_to(self, sink: OutputSink) -> asyncio.Future[None]:
+        """Hand every delta to `sink` from now on; the future ends with the last one, or with what failed (the
+        engine's error, or the sink's own exception). Once it is done (or cancelled) deltas are dropped."""
+        self._done = asyncio.get_running_loop().create_future()
+        self._sink = sink
+        if self._pending is not None:
+            out, self._pending = self._pending, None
+            self._deliver(out)
+        if self._error is not None:
+            self.fail(self._error)
+        return self._done
+
+    def _deliver(self, out: EngineOutput) -> None:
+        done = self._done
+        assert self._sink is not None and done is not None
+        if done.done():
+            return
+        try:
+            self._sink(out)
+        except Exception as exc:  # the consumer's failure ends its sequence, never the engine's step
+            done.set_exception(exc)
+            return
+        if out.finish_reason is not None:
+            done.set_result(None)
+
 
 class OutputStream(AsyncIterator[EngineOutput]):
     """What generate() returns: iterating streams deltas, closing early aborts the request.
 
     `on_close` runs before the generator is closed: a stream closed before its first `__anext__` never
-    runs the generator's `finally`, so the abort cannot live only there.
+    runs the generator's `finally`, so the abort cannot live only there. An engine that can hand its outputs
+    over inside its step passes `push`: then `push_to` replaces iterating.
     """
 
     def __init__(
-        self, gen: AsyncGenerator[EngineOutput, None], on_close: Callable[[], Awaitable[None] | None]
+        self,
+        gen: AsyncGenerator[EngineOutput, None],
+        on_close: Callable[[], Awaitable[None] | None],
+        push: Callable[[OutputSink], asyncio.Future[None]] | None = None,
     ) -> None:
         self._gen = gen
         self._on_close = on_close
+        self._push = push
 
     async def __anext__(self) -> EngineOutput:
         return await self._gen.__anext__()
+
+    def push_to(self, sink: OutputSink) -> asyncio.Future[None] | None:
+        """Have the engine call `sink` with each delta as it makes it, instead of being iterated; the future
+        ends with the sequence (cancelling it drops what follows). None if this engine only streams."""
+        return None if self._push is None else self._push(sink)
 
     async def aclose(self) -> None:
         """Abort the request if it is still running, then close the stream."""

@@ -37,7 +37,8 @@ def build_engine(settings: WorkerSettings, engine_flags: Sequence[str] = ()) -> 
         raise ValueError("--lora-modules needs --engine vllm: the simulated engine serves no adapters")
 
     from workers.host_tier import kv_bytes_per_token
-    from workers.sim import SimConfig, SimEngine
+    from workers.sim import SimEngine
+    from workers.sim_config import SimConfig
 
     info = load_model_info(settings.model_path)
     max_len = settings.max_model_len or info.max_position_embeddings

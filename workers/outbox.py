@@ -1,6 +1,7 @@
-"""A worker's outgoing records: one bounded queue and one sender, so each request's chunks stay in order.
+"""A worker's outgoing records: one queue and one sender, so each request's chunks stay in order.
 
-The queue pushes back on the engine when Kafka lags. What queued up while the sender was busy goes out
+Chunks are queued without waiting (the engine pushes a step's outputs from inside the step); the engine
+waits for `room()` before its next step, so the queue pushes back on it when Kafka lags. What queued up while the sender was busy goes out
 together: a topic's consecutive chunks become one `Chunks` record, so a busy worker sends one record per
 frontend per round instead of one per token. A record the broker refuses is sent again behind what was
 queued since (docs/architecture.md, broker quirk "stale producer metadata").
@@ -24,6 +25,7 @@ log = logging.getLogger("ferry.worker")
 
 # Produces of one reply record before it counts as lost.
 SEND_TRIES = 3
+# Records queued beyond which `room()` holds the engine back until the sender has taken them.
 QUEUE_SIZE = 4096
 # Most chunks in one record: keeps a record far below the broker's message size limit even with logprobs.
 MAX_CHUNKS_PER_RECORD = 128
@@ -83,7 +85,9 @@ class Outbox:
     def __init__(self, producer: AIOKafkaProducer, metrics: WorkerMetrics) -> None:
         self._producer = producer
         self._metrics = metrics
-        self._queue: asyncio.Queue[Outgoing | Reply] = asyncio.Queue(maxsize=QUEUE_SIZE)
+        self._queue: asyncio.Queue[Outgoing | Reply] = asyncio.Queue()
+        self._room = asyncio.Event()  # set while fewer than QUEUE_SIZE records wait
+        self._room.set()
         self._resends: set[asyncio.Task[None]] = set()
         self._coalesce: Coalescer | None = None
         self._route: Callable[[str], str] | None = None
@@ -97,26 +101,30 @@ class Outbox:
         resend): a rolled topic's current epoch then, not the one current when the request was queued."""
         self._route = route
 
-    async def send(self, req: GenerateRequest, chunk: Chunk) -> None:
-        """Queue one chunk for the request's reply topic (waits while the queue is full)."""
+    def put(self, req: GenerateRequest, chunk: Chunk) -> None:
+        """Queue one chunk for the request's reply topic (never waits: its producer waits for `room()`)."""
         if self._coalesce is not None:
             merged = self._coalesce(req, chunk)
             if merged is None:
                 return
             chunk = merged
-        await self._queue.put(Reply(req.reply_topic, chunk))
+        self._queue.put_nowait(Reply(req.reply_topic, chunk))
+
+    async def room(self) -> None:
+        """Wait while QUEUE_SIZE records are queued (Kafka lags): what produces chunks calls this between rounds."""
+        while self._queue.qsize() >= QUEUE_SIZE:
+            self._room.clear()
+            await self._room.wait()
 
     def send_final_nowait(self, req: GenerateRequest, chunk: Chunk) -> None:
         """Queue a request's last chunk from a task being cancelled (no await allowed, no coalescing)."""
         self._queue.put_nowait(Reply(req.reply_topic, chunk))
 
-    async def send_request(
-        self, topic: str, release: Release, delivered: Callable[[], None] | None = None
-    ) -> None:
+    def put_request(self, topic: str, release: Release, delivered: Callable[[], None] | None = None) -> None:
         """Queue a message for another worker's requests topic (a decode-first hand-off's release); `delivered`
         is called once the broker has it (to ring that worker's doorbell)."""
         out = Outgoing(topic, release.request_id.encode(), request_encoder.encode(release), delivered=delivered)
-        await self._queue.put(out)
+        self._queue.put_nowait(out)
 
     async def send_ack(self, topic: str, ack: LoraAck) -> None:
         """Queue the answer to a LoRA operation for the asking frontend's admin topic."""
@@ -129,6 +137,8 @@ class Outbox:
             items = [await queue.get()]
             while not queue.empty() and len(items) < QUEUE_SIZE:
                 items.append(queue.get_nowait())
+            if queue.qsize() < QUEUE_SIZE:
+                self._room.set()
             try:
                 for out in records(items):
                     await self._send(out)

@@ -14,6 +14,7 @@ from bus.topics import RequestTopics
 from kvstore.bells import Bells
 from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, FinishReason, GenerateRequest, KVFrom, Release
 from workers.engine import Engine, EngineDead, EngineError, EngineOutput
+from workers.engine_base import OutputStream
 from workers.metrics import WorkerMetrics
 from workers.outbox import Outbox
 from workers.parking import Parking
@@ -54,6 +55,22 @@ def ending(req: GenerateRequest, seq: int, worker_id: str, error: ErrorInfo | No
     """The chunk that ends `req` without output: aborted, or failed with `error`."""
     reason: FinishReason = "abort" if error is None else "error"
     return Chunk(req.request_id, seq, finish_reason=reason, worker_id=worker_id, error=error, attempt=req.attempt)
+
+
+class _Attempt:
+    """One attempt's progress on the engine: where its chunk numbers are, and its timing so far."""
+
+    __slots__ = ("aborted", "finished", "first", "generated", "last_at", "queued", "req", "seq", "started", "task")
+
+    def __init__(self, req: GenerateRequest, task: asyncio.Task[None]) -> None:
+        self.req = req
+        self.task = task
+        self.seq = req.seq_base  # a migrated request continues the sequence numbers its stream already used
+        self.generated = len(req.generated_token_ids)
+        # From this many generated tokens on, the next output is the last.
+        self.last_at = self.generated + req.max_tokens - 1
+        self.started, self.first, self.queued = time.monotonic(), 0.0, 0.0
+        self.finished = self.aborted = False
 
 
 class Serving:
@@ -190,7 +207,7 @@ class Serving:
             step = decode_s / (tokens - 1)
             self.step_s = step if not self.step_s else 0.8 * self.step_s + 0.2 * step
 
-    async def _release(self, req: GenerateRequest, chunk: Chunk) -> None:
+    def _release(self, req: GenerateRequest, chunk: Chunk) -> None:
         """A prefill-only attempt's token: the decode worker's parked next attempt starts with it (decode-first
         hand-off); sent ahead of the chunk to the frontend, which gets the token from either."""
         if not (req.release_to and req.prefill_only and chunk.token_ids and chunk.finish_reason is None):
@@ -202,65 +219,81 @@ class Serving:
         # trimmed on the embedded broker, and a record per disaggregated request would grow it for good.
         bells, to = self._bells, req.release_to
         delivered = None if bells is None else lambda: bells.ring_soon(to)
-        await self._outbox.send_request(self._request_topics.current(to), release, delivered)
+        self._outbox.put_request(self._request_topics.current(to), release, delivered)
+
+    def _on_output(self, att: _Attempt, out: EngineOutput) -> None:
+        """One engine delta of an attempt: its chunk on the outbox, its figures in the metrics."""
+        req, metrics = att.req, self._metrics
+        att.generated += len(out.token_ids)
+        if att.generated >= att.last_at:
+            self._last_step.add(att.task)
+        if out.token_ids and not att.first:
+            att.first, att.queued = time.monotonic(), out.queued_s
+        usage = None
+        if out.finish_reason is not None:
+            att.finished = True
+            att.aborted = out.finish_reason == "abort"
+            prompt = out.prompt_tokens or len(req.prompt_token_ids)
+            timing = self._timing(att.started, att.first, att.queued)
+            usage = ChunkUsage(prompt, att.generated, out.cached_tokens, *timing)
+            self._note_steps(timing[2], att.generated - len(req.generated_token_ids))
+            if att.first:  # scheduled: its prompt was looked up in the prefix cache
+                metrics.prefix_queries.inc(prompt)
+                metrics.prefix_hits.inc(out.cached_tokens)
+            metrics.cached_tokens.inc(out.cached_tokens)
+        metrics.generated_tokens.inc(len(out.token_ids))
+        chunk = chunk_of(req, att.seq, out, self._worker_id, usage)
+        self._release(req, chunk)
+        self._outbox.put(req, chunk)
+        att.seq += 1
+
+    async def _generate(self, att: _Attempt) -> None:
+        """Run the attempt's sequence on the engine, each delta through `_on_output`."""
+        outputs = self._engine.generate(att.req)
+        if isinstance(outputs, OutputStream):
+            done = outputs.push_to(functools.partial(self._on_output, att))
+            if done is not None:
+                # The engine calls _on_output inside its step; a cancel here cancels `done` first, so the
+                # abort below sends nothing (an abandoned stream gets no last word).
+                try:
+                    await done
+                finally:
+                    await outputs.aclose()
+                return
+        reaborted = False
+        async for out in outputs:
+            if not reaborted and att.task in self._cancelled:
+                # Cancelled while the engine was still taking it in, where its abort found nothing.
+                reaborted = True
+                await self._engine.abort(att.req.request_id)
+            self._on_output(att, out)
+            await self._outbox.room()
 
     async def _serve(self, req: GenerateRequest, first_chunk: Chunk | None = None) -> None:
         """Run one sequence and send every delta back as a Chunk."""
+        me = asyncio.current_task()
+        assert me is not None
+        att = _Attempt(req, me)
         wid, metrics = self._worker_id, self._metrics
-        # A migrated request continues the sequence numbers its stream already used.
-        seq = req.seq_base
-        generated = len(req.generated_token_ids)
         metrics.prompt_tokens.inc(len(req.prompt_token_ids))
-        started, first, queued = time.monotonic(), 0.0, 0.0
         try:
-            finished = aborted = reaborted = False
-            me = asyncio.current_task()
-            assert me is not None
-            # From this many generated tokens on, the next output is the last.
-            last_at = generated + req.max_tokens - 1
-            if req.prefill_only or generated >= last_at:
+            if req.prefill_only or att.generated >= att.last_at:
                 self._last_step.add(me)
             if first_chunk is not None:
-                await self._outbox.send(req, first_chunk)
+                self._outbox.put(req, first_chunk)
             # Cancelled before it started: nothing to generate, the abort chunk below ends it.
-            outputs = _no_outputs() if me in self._cancelled else self._engine.generate(req)
-            async for out in outputs:
-                if not reaborted and me in self._cancelled:
-                    # Cancelled while the engine was still taking it in, where its abort found nothing.
-                    reaborted = True
-                    await self._engine.abort(req.request_id)
-                generated += len(out.token_ids)
-                if generated >= last_at:
-                    self._last_step.add(me)
-                if out.token_ids and not first:
-                    first, queued = time.monotonic(), out.queued_s
-                usage = None
-                if out.finish_reason is not None:
-                    finished = True
-                    aborted = out.finish_reason == "abort"
-                    prompt = out.prompt_tokens or len(req.prompt_token_ids)
-                    timing = self._timing(started, first, queued)
-                    usage = ChunkUsage(prompt, generated, out.cached_tokens, *timing)
-                    self._note_steps(timing[2], generated - len(req.generated_token_ids))
-                    if first:  # scheduled: its prompt was looked up in the prefix cache
-                        metrics.prefix_queries.inc(prompt)
-                        metrics.prefix_hits.inc(out.cached_tokens)
-                    metrics.cached_tokens.inc(out.cached_tokens)
-                metrics.generated_tokens.inc(len(out.token_ids))
-                chunk = chunk_of(req, seq, out, wid, usage)
-                await self._release(req, chunk)
-                await self._outbox.send(req, chunk)
-                seq += 1
-            if not finished:
+            if me not in self._cancelled:
+                await self._generate(att)
+            if not att.finished:
                 # The engine ended the sequence without a reason: it was aborted (client cancel).
-                await self._outbox.send(req, ending(req, seq, wid))
+                self._outbox.put(req, ending(req, att.seq, wid))
                 metrics.requests.labels("aborted").inc()
             else:
                 # An engine that reports the abort itself (the sim engine does) ended it on a Cancel too.
-                metrics.requests.labels("aborted" if aborted else "finished").inc()
+                metrics.requests.labels("aborted" if att.aborted else "finished").inc()
         except asyncio.CancelledError:
             if self._stop_error is not None:
-                self._outbox.send_final_nowait(req, ending(req, seq, wid, self._stop_error))
+                self._outbox.send_final_nowait(req, ending(req, att.seq, wid, self._stop_error))
             metrics.requests.labels("cancelled").inc()
             raise
         except EngineDead as exc:
@@ -269,10 +302,10 @@ class Serving:
             self._on_fatal(exc)
             metrics.requests.labels("error").inc()
         except EngineError as exc:
-            await self._outbox.send(req, ending(req, seq, wid, ErrorInfo(exc.code, str(exc), exc.retriable)))
+            self._outbox.put(req, ending(req, att.seq, wid, ErrorInfo(exc.code, str(exc), exc.retriable)))
             metrics.requests.labels("error").inc()
         except Exception as exc:
             log.exception("request %s failed in the engine", req.request_id)
             error = ErrorInfo("internal_error", f"{type(exc).__name__}: {exc}", retriable=True)
-            await self._outbox.send(req, ending(req, seq, wid, error))
+            self._outbox.put(req, ending(req, att.seq, wid, error))
             metrics.requests.labels("error").inc()

@@ -14,11 +14,10 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-import msgspec
 from tokenizers import Tokenizer
 
 from kvstore.hashing import block_hashes, chain_seed
@@ -30,51 +29,13 @@ from workers.detok import Detokenizer
 from workers.engine import EngineDead, EngineLifecycle, EngineOutput, EngineStats
 from workers.engine_base import KVEventQueue, Mailbox, OutputStream, check_request
 from workers.host_tier import host_tier
+from workers.sim_config import SimConfig
 from workers.sim_draws import TAG_LENGTH, TAG_STRUCTURED, TAG_TOKEN, draw, logprob, output_vocab, stream_key
 from workers.sim_output import OutputPlan, TokenSource, output_plan
 from workers.sim_timing import step_seconds
 from workers.sim_transfer import KVReceiver, admission
 
 logger = logging.getLogger(__name__)
-
-
-class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Knobs of the simulated engine; `seed` salts every output and must match across a model's workers."""
-
-    block_size: int = 64
-    num_blocks: int = 16384
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    speedup: float = 1.0
-    max_model_len: int = 8192
-    # Natural output length range, used when ignore_eos is false.
-    min_output_tokens: int = 16
-    max_output_tokens: int = 256
-    seed: int = 0
-    # KV-event batches kept for a slow reader before the oldest are dropped.
-    max_pending_kv_batches: int = 1024
-    # Host-memory KV tier (workers/host_tier.py): 0 blocks = off; a bandwidth of 0 = free transfers.
-    num_host_blocks: int = 0
-    host_offload_h2d_bandwidth_gbps: float = 32.0
-    host_offload_d2h_bandwidth_gbps: float = 0.0
-    kv_bytes_per_token: int = 0
-    # Disaggregated serving: GB/s of receiving a prompt's KV from a prefill worker (workers/sim_transfer.py).
-    kv_transfer_bandwidth_gbps: float = 64.0
-
-    def __post_init__(self) -> None:
-        positive = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.speedup <= 0:
-            raise ValueError("speedup must be positive")
-        if not 1 <= self.min_output_tokens <= self.max_output_tokens:
-            raise ValueError("need 1 <= min_output_tokens <= max_output_tokens")
-        if self.max_pending_kv_batches <= 0 or min(self.num_host_blocks, self.kv_bytes_per_token) < 0:
-            raise ValueError("need max_pending_kv_batches > 0 and num_host_blocks, kv_bytes_per_token >= 0")
-        # Guarantees that any admitted sequence fits alone, so preemption always makes progress.
-        if self.max_model_len > self.num_blocks * self.block_size:
-            raise ValueError("max_model_len exceeds the KV capacity (num_blocks * block_size)")
 
 
 class _State(Enum):
@@ -152,6 +113,7 @@ class SimEngine(EngineLifecycle):
         self.hung = False
         # Tests: a step loop that dies at its next step, as vLLM's EngineCore process can.
         self.crash = False
+        self._room: Callable[[], Awaitable[None]] | None = None  # pace_outputs
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -177,6 +139,10 @@ class SimEngine(EngineLifecycle):
         if self._pool.reset():
             self._publish(self._pool.take_events())
         self._kv_events.close()
+
+    def pace_outputs(self, room: Callable[[], Awaitable[None]]) -> None:
+        """Await `room()` before every step: outputs pushed inside a step queue up where it waits."""
+        self._room = room
 
     async def check_health(self) -> None:
         """Raise EngineDead if the step loop died or the engine was stopped."""
@@ -224,7 +190,7 @@ class SimEngine(EngineLifecycle):
         # Counted as waiting while its KV is on its way from a prefill worker (then queued by _arrive).
         self._num_waiting += 1
         seq.received = self.receiver.receive(request.kv_from, tokens, seq.kv.seed, lambda: self._arrive(seq))
-        return OutputStream(self._stream(seq), lambda: self._abort_seq(seq))
+        return OutputStream(self._stream(seq), lambda: self._abort_seq(seq), push=seq.mailbox.push_to)
 
     async def abort(self, request_id: str) -> None:
         """Stop one request and free its blocks; a no-op if it is unknown or done."""
@@ -325,6 +291,8 @@ class SimEngine(EngineLifecycle):
             while True:
                 if self.crash:
                     raise RuntimeError("simulated engine crash")
+                if self._room is not None:
+                    await self._room()
                 step = None if self.hung else self._schedule()
                 if step is None:
                     self._wake.clear()

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,6 +235,10 @@ class VLLMEngine(EngineLifecycle):
         live = self._live.get(request_id)
         if live is not None:
             await self._discard(live)
+
+    def pace_outputs(self, room: Callable[[], Awaitable[None]]) -> None:
+        """Nothing to pace here: vLLM's outputs are iterated, and each stream's reader awaits `room` itself
+        while vLLM's collectors merge what it has not read."""
 
     def kv_events(self) -> AsyncIterator[KVEventBatch]:
         """Batches of KV events in Ferry hashes; ends when the engine stops, raises if the reader died."""

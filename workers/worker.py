@@ -67,6 +67,7 @@ class Worker:
         self.serving = Serving(
             engine, self._outbox, self.metrics, s.worker_id, self._set_fatal, RequestTopics(s.request_roll_s), bells
         )
+        engine.pace_outputs(self._outbox.room)
         self.heartbeat = Heartbeat(s, engine, engine_name, Registry(self._redis, keys), index, self.metrics,
                                    lambda: len(self.serving))  # fmt: skip
         if s.kv_log:

@@ -48,7 +48,8 @@ from schemas.status import WorkerStatus
 from server.metrics import FrontendMetrics
 from server.router import RECENT_S, AllBusy, Decision, PromptMemo, Router
 from workers.model_dir import load_model_info
-from workers.sim import SimConfig, SimEngine
+from workers.sim import SimEngine
+from workers.sim_config import SimConfig
 
 MODEL = "virtual"
 

@@ -113,9 +113,7 @@ class Outbox:
     def __init__(self) -> None:
         self.sent: list[tuple[str, Release]] = []
 
-    async def send_request(
-        self, topic: str, message: Release, delivered: Callable[[], None] | None = None
-    ) -> None:
+    def put_request(self, topic: str, message: Release, delivered: Callable[[], None] | None = None) -> None:
         self.sent.append((topic, message))
 
 
@@ -126,6 +124,6 @@ async def test_a_release_goes_to_the_decode_workers_current_epoch_not_its_unroll
     now = 6_000.0
     serving = Serving(None, outbox, None, "p", lambda exc: None, RequestTopics(60.0, clock=lambda: now))  # type: ignore[arg-type]
     req = GenerateRequest("r.0", "m", [1, 2, 3], 20, "replies", prefill_only=True, release_to="d")
-    await serving._release(req, Chunk("r.0", 0, token_ids=[7], text="x", worker_id="p"))
+    serving._release(req, Chunk("r.0", 0, token_ids=[7], text="x", worker_id="p"))
     [(topic, sent)] = outbox.sent
     assert topic == request_topic("d", 100) and (sent.request_id, sent.attempt) == ("r.0", 1)

@@ -15,7 +15,8 @@ from kvstore.hashing import block_hashes, chain_seed
 from schemas.kafka import GenerateRequest, SamplingParams
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from workers.engine import EngineDead, EngineError, EngineOutput
-from workers.sim import SimConfig, SimEngine, _Seq, _Step
+from workers.sim import SimEngine, _Seq, _Step
+from workers.sim_config import SimConfig
 from workers.sim_timing import step_seconds
 
 MODEL = "sim-test"

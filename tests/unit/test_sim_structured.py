@@ -15,7 +15,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from schemas.kafka import GenerateRequest, SamplingParams, StructuredOutput
 from workers.engine import EngineError, EngineOutput
 from workers.model_dir import ModelInfo, load_model_info
-from workers.sim import SimConfig, SimEngine
+from workers.sim import SimEngine
+from workers.sim_config import SimConfig
 from workers.sim_output import DrawnTokens, ScriptedTokens, TokenSource
 from workers.structured import structured_text
 
