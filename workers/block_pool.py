@@ -135,6 +135,10 @@ class BlockPool:
         """
         if num_hit_blocks and seq.block_ids:
             raise ValueError("cache hits can only start a sequence")
+        if not num_hit_blocks and num_tokens <= len(seq.block_ids) * self.block_size:
+            # Room in the blocks held (most decode steps): nothing to take, only full blocks to commit.
+            self._commit_full_blocks(seq, token_ids, num_tokens // self.block_size)
+            return True
         self._extend_hashes(seq, token_ids, num_hit_blocks)
         on_device = self.longest_prefix(seq.hashes[:num_hit_blocks])
         to_load = seq.hashes[on_device:num_hit_blocks]
