@@ -17,7 +17,7 @@ from server.delivery import RequestLog
 from server.disagg import Placement, place, serving
 from server.errors import APIError
 from server.kafka_io import Dispatcher, ReplyDemux
-from server.metrics import FrontendMetrics
+from server.metrics import FrontendMetrics, observe_times
 from server.migration import Migrations, Mover
 from server.pool import WorkerPool
 from server.preprocess import Prepared
@@ -313,9 +313,7 @@ class Generation:
             self._last_token_at = t
         if n:
             # k tokens delivered together after a gap g: each token took g/k (merged deltas stay counted).
-            gap = (t - self._last_token_at) / n
-            for _ in range(n):
-                self._m.itl.observe(gap)
+            observe_times(self._m.itl, (t - self._last_token_at) / n, n)
         self._last_token_at = t
 
     def _observe_usage(self, seq: Sequence, chunk: Chunk) -> None:
