@@ -194,7 +194,12 @@ class Generation:
         """Run `coro` as a task of this request's (cancelled when it closes)."""
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        # A bound method: the task keeps this request alive until it is done (its Mover holds the request
+        # weakly), so a task cancelled by close() still finds it while it winds down.
+        task.add_done_callback(self._forget_task)
+
+    def _forget_task(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
 
     def request_for(
         self,

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import math
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -137,12 +138,17 @@ class Mover:
     """Moves the sequences of one request, one move at a time per sequence."""
 
     def __init__(self, req: MovingRequest, svc: Services) -> None:
-        self._req = req
+        # A proxy: the request holds its Mover (and its stream holds `lost`), so a strong reference back
+        # would put every request in a reference cycle that only the cycle collector frees.
+        self._req = weakref.proxy(req)
         self._svc = svc
 
     def lost(self, seq: Sequence, why: Loss) -> None:
         """The sequence's attempt can no longer deliver: move it (in the background)."""
-        if self._req.closed or seq.finished:
+        try:
+            if self._req.closed or seq.finished:
+                return
+        except ReferenceError:  # its request was dropped without closing (it failed to start): nothing reads it
             return
         if why is Loss.WORKER_DIED:
             seq.moves += 1  # what --migration-limit bounds; the broker's losses are not the request's doing
