@@ -144,6 +144,17 @@ async def wait_port(host: str, port: int, timeout_s: float, child: Child) -> Non
             delay = min(delay * 2, 0.2)
 
 
+# Threads of the embedded broker's async runtime (tokio), unless the environment sets TOKIO_WORKER_THREADS.
+# Tokio's default, one per core, hands each request between threads (futex wake-ups): on one machine with
+# the Python processes, one thread serves the same load with less CPU (docs/benchmarks.md, "Hot-path changes").
+BROKER_THREADS = 1
+
+
+def broker_env() -> dict[str, str]:
+    """The embedded broker's environment beyond ours: its runtime's thread count (an operator's own wins)."""
+    return {"TOKIO_WORKER_THREADS": os.environ.get("TOKIO_WORKER_THREADS") or str(BROKER_THREADS)}
+
+
 async def start_broker(port: int | None = None, echo: bool = False) -> tuple[Child, str]:
     """Start an in-memory Tansu broker on loopback; returns it and its bootstrap address."""
     port = port or free_port()
@@ -152,6 +163,7 @@ async def start_broker(port: int | None = None, echo: bool = False) -> tuple[Chi
         "kafka",
         [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url],
         echo=echo,
+        env=broker_env(),
     )
     await wait_port("127.0.0.1", port, 30, child)
     return child, f"127.0.0.1:{port}"

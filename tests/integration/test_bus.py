@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -12,7 +13,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from bus.consumer import stop_consumer
 from bus.log_watch import FetchWaitAdjuster
 from bus.topics import ensure_topics
-from launch.services import start_broker
+from launch.services import BROKER_THREADS, start_broker
 
 pytestmark = pytest.mark.integration
 
@@ -83,3 +84,23 @@ async def test_a_consumer_stopped_while_its_broker_is_away_lets_go_of_it() -> No
     await stop_consumer(consumer)
     sync = consumer._client._sync_task
     assert sync is None or sync.done()
+
+
+def runtime_threads(pid: int) -> int:
+    """Threads of the broker's async runtime (tokio names them so)."""
+    return sum(1 for t in Path(f"/proc/{pid}/task").iterdir() if (t / "comm").read_text().strip() == "tokio-rt-worker")
+
+
+@pytest.mark.parametrize(("env", "threads"), [(None, BROKER_THREADS), ("2", 2)])
+async def test_the_embedded_broker_runs_on_one_runtime_thread_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch, env: str | None, threads: int
+) -> None:
+    if env is None:
+        monkeypatch.delenv("TOKIO_WORKER_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("TOKIO_WORKER_THREADS", env)
+    broker, _kafka = await start_broker()
+    try:
+        assert runtime_threads(broker.proc.pid) == threads
+    finally:
+        await broker.stop()
