@@ -185,16 +185,12 @@ class ModelFiles:
         apply_chat_template assumes when it tokenizes); adding them again would put a second BOS in front of
         prompts of models whose tokenizer adds one. Special-token text inside the prompt, including text a
         user typed, is encoded as the special token, as transformers does by default.
-        """
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_releasing_gil(self, text: str, add_special_tokens: bool) -> list[int]:
-        """`encode`, but through encode_batch, which lets other threads run while it tokenizes.
-
-        `Tokenizer.encode` holds the GIL (~30 ms per 100k characters here), so running it in a thread
-        would still stall the event loop; `encode_batch` releases it and gives the same ids.
+        Through `encode_batch_fast`, which gives the same ids without computing character offsets (nothing
+        here reads them): a quarter less CPU per prompt than `encode`, on the frontend's hot path. It also
+        releases the GIL, so a long prompt can be tokenized in a thread while the event loop goes on.
         """
-        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Turn token ids back into text."""

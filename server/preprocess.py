@@ -186,7 +186,7 @@ class Preprocessor:
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) > self._threshold:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._pool, self.model.encode_releasing_gil, text, add_special_tokens)
+            return await loop.run_in_executor(self._pool, self.model.encode, text, add_special_tokens)
         return self.model.encode(text, add_special_tokens)
 
     async def chat(self, req: ChatCompletionRequest, max_model_len: int) -> Prepared:

@@ -46,7 +46,7 @@ def _version() -> str:
 
 async def _encode(fe: Frontend, text: str, add_special_tokens: bool) -> list[int]:
     if len(text) > fe.settings.tokenize_threshold_chars:
-        return await asyncio.to_thread(fe.model.encode_releasing_gil, text, add_special_tokens)
+        return await asyncio.to_thread(fe.model.encode, text, add_special_tokens)
     return fe.model.encode(text, add_special_tokens)
 
 
