@@ -6,7 +6,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import msgspec
 
@@ -20,12 +20,6 @@ from workers.outbox import Outbox
 from workers.parking import Parking
 
 log = logging.getLogger("ferry.worker")
-
-
-async def _no_outputs() -> AsyncIterator[EngineOutput]:
-    """The outputs of a sequence that never reaches the engine."""
-    return
-    yield
 
 
 def chunk_of(req: GenerateRequest, seq: int, out: EngineOutput, worker_id: str, usage: ChunkUsage | None) -> Chunk:
