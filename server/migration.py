@@ -138,8 +138,7 @@ class Mover:
     """Moves the sequences of one request, one move at a time per sequence."""
 
     def __init__(self, req: MovingRequest, svc: Services) -> None:
-        # A proxy: the request holds its Mover (and its stream holds `lost`), so a strong reference back
-        # would put every request in a reference cycle that only the cycle collector frees.
+        # Weak: the request holds its Mover (its stream `lost`), so a strong ref back made every request a cycle.
         self._req = weakref.proxy(req)
         self._svc = svc
 
