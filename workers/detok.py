@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -28,9 +28,8 @@ _PRIME_MIN_TOKENS = 4
 _PRIME_MAX_TOKENS = 24
 
 
-@dataclass(frozen=True, slots=True)
-class DetokOutput:
-    """Text produced by one token, and whether that token ended the sequence."""
+class DetokOutput(NamedTuple):
+    """Text produced by one token, and whether that token ended the sequence (a tuple: one per token, cheap to make)."""
 
     text: str
     stopped: bool = False
@@ -78,6 +77,11 @@ class Detokenizer:
             return DetokOutput(self._flush(), stopped=True, stop_reason=reason)
         self._count += 1
         piece = self._decode(token_id)
+        if not self._stops:
+            # Nothing to look for and nothing held back: the token's text goes out as it is (most requests).
+            if final:
+                self.finished = True
+            return DetokOutput(piece or "")
         if piece and self._count <= self._min_tokens:
             self._pending += piece
             self._stop_from = len(self._pending)
