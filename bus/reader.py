@@ -443,34 +443,25 @@ class Reader(Generic[T]):
             keep, hole, after = 0, expected, first
         else:
             keep = next(i for i in range(1, len(records)) if records[i].offset != records[i - 1].offset + 1)
+            if records[keep].offset <= records[keep - 1].offset:
+                # Going back: the log restarted between the fetches it merged. No hole (a seek past the new
+                # log's end looked like a lost log at every poll, and moved every open stream each time).
+                self._forget(tp)
+                return records[:keep] + self._whole(consumer, tp, records[keep:])
             hole, after = records[keep - 1].offset + 1, records[keep].offset
         seen = self._holes.get(tp)
         tries = seen[1] + 1 if seen is not None and seen[0] == hole else 1
         if tries > GAP_TRIES:
             self.gaps_accepted += 1
             self._holes.pop(tp, None)
-            log.warning(
-                "%s: offsets %d..%d of %s[%d] are missing after %d reads; reading on past them",
-                self.name,
-                hole,
-                after - 1,
-                tp.topic,
-                tp.partition,
-                GAP_TRIES,
-            )
+            log.warning("%s: offsets %d..%d of %s[%d] are missing after %d reads; reading on past them",
+                        self.name, hole, after - 1, tp.topic, tp.partition, GAP_TRIES)  # fmt: skip
             self._next[tp] = after
             return records[:keep] + self._whole(consumer, tp, records[keep:])
         self.gaps_refetched += 1
         self._holes[tp] = (hole, tries)
-        log.info(
-            "%s: a fetch of %s[%d] skipped offsets %d..%d; reading them again (try %d)",
-            self.name,
-            tp.topic,
-            tp.partition,
-            hole,
-            after - 1,
-            tries,
-        )
+        log.info("%s: a fetch of %s[%d] skipped offsets %d..%d; reading them again (try %d)",
+                 self.name, tp.topic, tp.partition, hole, after - 1, tries)  # fmt: skip
         consumer.seek(tp, hole)
         self._next[tp] = hole
         return records[:keep]

@@ -126,6 +126,13 @@ async def test_records_before_the_expected_offset_are_a_rewind_not_a_hole() -> N
     assert handed == [0, 1, 2, 3, 0, 1] and consumer.seeks == []
 
 
+async def test_offsets_going_back_within_a_fetch_are_a_restarted_log_not_a_hole() -> None:
+    # One fetch merging the old log's last records with the restarted log's first: handed on as they come,
+    # and no seek (a seek to 87 would be past the new log's end, and look like a lost log at every poll).
+    reader, handed, consumer = await read([[84, 85, 86, 20, 21], [22, 23]])
+    assert handed == [84, 85, 86, 20, 21, 22, 23] and consumer.seeks == [] and reader.gaps_refetched == 0
+
+
 async def test_a_move_through_the_reader_is_no_hole() -> None:
     reader, handed, consumer = await read([[0, 1]])
     reader.seek(TP, 10)
