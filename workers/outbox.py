@@ -117,7 +117,7 @@ class Outbox:
             await self._room.wait()
 
     def send_final_nowait(self, req: GenerateRequest, chunk: Chunk) -> None:
-        """Queue a request's last chunk from a task being cancelled (no await allowed, no coalescing)."""
+        """Queue a request's last chunk as it is, not coalesced: the word a task being cancelled leaves."""
         self._queue.put_nowait(Reply(req.reply_topic, chunk))
 
     def put_request(self, topic: str, release: Release, delivered: Callable[[], None] | None = None) -> None:

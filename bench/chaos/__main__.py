@@ -26,8 +26,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.stack import FerryStack
+from launch.flags import to_argv
 from launch.services import Child, start_broker, start_redis
 from launch.stack import EMBEDDED_BROKER_DEFAULTS
+from schemas.settings import WorkerSettings
 
 MODEL = "SmolLM2-135M-Instruct"
 RESUMABLE = {"x-ferry-resumable": "1"}
@@ -117,7 +119,7 @@ def _service_addresses(stack: FerryStack) -> tuple[str, str]:
 def worker_argv(wid: str, kafka: str, redis: str, speedup: float) -> list[str]:
     """A worker of this benchmark's own, set as `ferry up` sets its children on its embedded broker: the
     stack's frontend writes to rolled request topics, and a worker reading the unrolled one gets nothing."""
-    rolled = [a for name, value in EMBEDDED_BROKER_DEFAULTS.items() for a in ("--" + name.replace("_", "-"), str(value))]
+    rolled = to_argv(WorkerSettings(**EMBEDDED_BROKER_DEFAULTS), only=EMBEDDED_BROKER_DEFAULTS)
     return [sys.executable, "-m", "launch", "worker", "--worker-id", wid, "--kafka", kafka, "--redis", redis,
             "--speedup", str(speedup), "--log-level", "info", *rolled]  # fmt: skip
 
