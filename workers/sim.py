@@ -32,7 +32,7 @@ from workers.host_tier import host_tier
 from workers.sim_config import SimConfig
 from workers.sim_draws import TAG_LENGTH, TAG_STRUCTURED, TAG_TOKEN, draw, logprob, output_vocab, stream_key
 from workers.sim_output import OutputPlan, TokenSource, output_plan
-from workers.sim_timing import step_seconds
+from workers.sim_timing import StepPacer, step_seconds
 from workers.sim_transfer import KVReceiver, admission
 
 logger = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ class SimEngine(EngineLifecycle):
         # Tests: a step loop that dies at its next step, as vLLM's EngineCore process can.
         self.crash = False
         self._room: Callable[[], Awaitable[None]] | None = None  # pace_outputs
+        self.pacer = StepPacer()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -288,18 +289,24 @@ class SimEngine(EngineLifecycle):
 
     async def _run(self) -> None:
         try:
+            pacer = self.pacer
+            pacer.working()
             while True:
                 if self.crash:
                     raise RuntimeError("simulated engine crash")
                 if self._room is not None:
+                    pacer.waiting()
                     await self._room()
+                    pacer.working()
                 step = None if self.hung else self._schedule()
                 if step is None:
+                    pacer.idle()
                     self._wake.clear()
                     await self._wake.wait()
+                    pacer.working()
                     continue
-                # The simulated forward pass; also yields to the event loop every step.
-                await asyncio.sleep(step.seconds)
+                # The simulated forward pass, less what this step's scheduling and the last step's outputs took.
+                await pacer.step(step.seconds)
                 self._complete(step)
                 self._publish(self._pool.take_events())
         except asyncio.CancelledError:

@@ -17,7 +17,7 @@ from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEve
 from workers.engine import EngineDead, EngineError, EngineOutput
 from workers.sim import SimEngine, _Seq, _Step
 from workers.sim_config import SimConfig
-from workers.sim_timing import step_seconds
+from workers.sim_timing import StepPacer, step_seconds
 
 MODEL = "sim-test"
 EOS = 0
@@ -532,3 +532,26 @@ async def test_a_better_waiting_request_preempts_nothing_as_in_vllm(make_engine:
         [i for i, s in enumerate(tiny.steps) if "A" in s],
     )
     assert min(steps_of[0]) > max(steps_of[1])  # H ran once A had ended and freed its blocks
+
+
+async def test_every_step_sleeps_through_the_engines_pacer(tokenizer: Tokenizer) -> None:
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        await asyncio.sleep(0)
+
+    config = SimConfig(speedup=1.0, block_size=16, num_blocks=256, max_model_len=1024)
+    engine = RecordingEngine(MODEL, tokenizer, config, eos_token_id=EOS)
+    # A clock that stands still: the engine's own work takes no time, so each step sleeps its whole model time.
+    engine.pacer = StepPacer(clock=lambda: 0.0, sleep=sleep)
+    await engine.start()
+    try:
+        result = await collect(engine.generate(req("a", prompt(20), 3)))
+    finally:
+        await engine.stop()
+    assert len(result.tokens) == 3 and engine.steps == [{"a": 20}, {"a": 1}, {"a": 1}]
+    capacity = 256 * 16
+    assert slept == pytest.approx(
+        [step_seconds(20, 0, 0, capacity), step_seconds(0, 21, 1, capacity), step_seconds(0, 22, 1, capacity)]
+    )
