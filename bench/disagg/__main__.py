@@ -77,7 +77,7 @@ async def start_dynamo(args: argparse.Namespace, prefill: int, decode: int) -> D
     from workers.host_tier import kv_bytes_per_token
 
     knobs = ["--speedup-ratio", repr(args.speedup), "--block-size", "64", "--num-gpu-blocks-override",
-             str(args.num_blocks), "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
+             str(args.num_blocks), "--max-num-seqs", "256", "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--kv-transfer-bandwidth", "64", "--kv-bytes-per-token", str(kv_bytes_per_token(args.model_path))]  # fmt: skip
     return await DynamoPD.start(model_path=args.model_path, model_name=args.model_name, prefill=prefill,
                                 decode=decode, knobs=knobs)  # fmt: skip
@@ -174,7 +174,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             salt = f"disagg-{name}-{time.time()}"  # a fresh run: nothing cached from the previous system's
             workload = make_workload(args, rate, salt)
             flags = ["--num-blocks", str(args.num_blocks), "--disagg-min-uncached-tokens", str(args.min_uncached),
-                     *extra]  # fmt: skip
+                     "--max-num-batched-tokens", str(args.max_num_batched_tokens), *extra]  # fmt: skip
             stack: FerryStack | DynamoPD
             if name.startswith("dynamo"):
                 stack = await start_dynamo(args, int(extra[0]), int(extra[1]))
@@ -230,6 +230,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sample-every", type=int, default=32, help="trace: keep 1 in this many conversations")
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--num-blocks", type=int, default=4096, help="device KV blocks per worker")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192,
+        help="token budget per engine step, both systems (a prompt longer than it is prefilled in chunks)",
+    )  # fmt: skip
     p.add_argument("--host-blocks", default="0",
                    help="host tier sizes in blocks per worker, comma-separated: every Ferry system once per size (0: off)")  # fmt: skip
     p.add_argument("--no-aggregated", action="store_true", help="only the disaggregated systems")
