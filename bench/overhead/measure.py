@@ -10,7 +10,7 @@ import random
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ import numpy as np
 
 from bench.sse_client import Connection, Response, StreamStats, stream_stats
 from bench.stack import CpuUsage, FerryStack
+from bench.stats import pct
 
 TARGET_TTFT_P50_MS = 5.0  # added time to first token at concurrency 1 (issue 2, item 8)
 TARGET_TOKENS_PER_S = 5000.0  # streamed tokens/s through one frontend at concurrency 64
@@ -34,12 +35,6 @@ _WORDS = (
 
 
 # ---- statistics ----------------------------------------------------------------------------------
-
-
-def pct(values: Iterable[float], q: float) -> float:
-    """The q-th percentile (linear interpolation); NaN for no values."""
-    arr = np.fromiter((v for v in values if not math.isnan(v)), dtype=float)
-    return float(np.percentile(arr, q)) if arr.size else math.nan
 
 
 def ms(seconds: float) -> float | None:

@@ -11,7 +11,7 @@ import platform
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ import numpy as np
 
 from bench.routing.client import ReplayResult, RequestResult, closed_loop, replay
 from bench.routing.systems import CpuMeter, EngineKnobs, SystemSpec, start
+from bench.stats import pct
 from bench.workload import (
     DEFAULT_TRACE,
     CacheBound,
@@ -242,12 +243,6 @@ def _bound(wl: Workload, block_size: int) -> tuple[int, ...]:
 
 
 # ---- statistics -------------------------------------------------------------------------------------------
-
-
-def pct(values: Iterable[float], q: float) -> float:
-    """The q-th percentile (linear interpolation) of the non-NaN values; NaN for none."""
-    arr = np.fromiter((v for v in values if not math.isnan(v)), dtype=float)
-    return float(np.percentile(arr, q)) if arr.size else math.nan
 
 
 def _ms(seconds: float) -> float | None:
