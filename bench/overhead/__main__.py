@@ -51,9 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run every phase on one `ferry up` instead of a fresh one per phase")  # fmt: skip
     p.add_argument("--out", type=Path, default=None,
                    help="JSON results file (default bench/results/overhead.json; overhead_<peer>.json with --peer)")  # fmt: skip
-    p.add_argument(
-        "--plot", type=Path, default=Path("bench/results/overhead.png"), help="PNG plot ('' = none)"
-    )
+    p.add_argument("--plot", type=Path, default=None,
+                   help="PNG plot (default: beside --out, named like it; '' = none)")  # fmt: skip
     p.add_argument("--profile", type=Path, default=None,
                    help="directory for py-spy profiles of the frontend and workers during the busiest level "
                         "and the interference phase (perturbs the numbers)")  # fmt: skip
@@ -76,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.prompt_words = args.prompt_words if args.prompt_words is not None else (100 if peer else 0)
     if args.out is None:
         args.out = Path(f"bench/results/overhead_{args.peer}.json" if peer else "bench/results/overhead.json")
+    if args.plot is None:
+        # Beside its JSON: a trial written elsewhere (--out /tmp/x.json) leaves the committed plot alone.
+        args.plot = args.out.with_suffix(".png")
     return args
 
 
