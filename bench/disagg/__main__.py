@@ -72,13 +72,25 @@ def systems(
     return out
 
 
+def ferry_flags(args: argparse.Namespace) -> list[str]:
+    """The `ferry up` flags every Ferry system of a run shares."""
+    return ["--num-blocks", str(args.num_blocks), "--disagg-min-uncached-tokens", str(args.min_uncached),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip
+
+
+def dynamo_knobs(args: argparse.Namespace, kv_bytes_per_token: int) -> list[str]:
+    """Dynamo's mocker flags for Ferry's sim knobs (and its KV bytes per token and link)."""
+    return ["--speedup-ratio", repr(args.speedup), "--block-size", "64", "--num-gpu-blocks-override",
+            str(args.num_blocks), "--max-num-seqs", "256", "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens), "--kv-transfer-bandwidth", "64", "--kv-bytes-per-token",
+            str(kv_bytes_per_token)]  # fmt: skip
+
+
 async def start_dynamo(args: argparse.Namespace, prefill: int, decode: int) -> DynamoPD:
-    """Dynamo's disaggregated mockers with Ferry's sim knobs (and its KV bytes per token and link)."""
+    """Dynamo's disaggregated mockers with Ferry's sim knobs."""
     from workers.host_tier import kv_bytes_per_token
 
-    knobs = ["--speedup-ratio", repr(args.speedup), "--block-size", "64", "--num-gpu-blocks-override",
-             str(args.num_blocks), "--max-num-seqs", "256", "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--kv-transfer-bandwidth", "64", "--kv-bytes-per-token", str(kv_bytes_per_token(args.model_path))]  # fmt: skip
+    knobs = dynamo_knobs(args, kv_bytes_per_token(args.model_path))
     return await DynamoPD.start(model_path=args.model_path, model_name=args.model_name, prefill=prefill,
                                 decode=decode, knobs=knobs)  # fmt: skip
 
@@ -173,8 +185,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             salt = f"disagg-{name}-{time.time()}"  # a fresh run: nothing cached from the previous system's
             workload = make_workload(args, rate, salt)
-            flags = ["--num-blocks", str(args.num_blocks), "--disagg-min-uncached-tokens", str(args.min_uncached),
-                     "--max-num-batched-tokens", str(args.max_num_batched_tokens), *extra]  # fmt: skip
+            flags = [*ferry_flags(args), *extra]
             stack: FerryStack | DynamoPD
             if name.startswith("dynamo"):
                 stack = await start_dynamo(args, int(extra[0]), int(extra[1]))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from bench.disagg.__main__ import long_prompt_workload, pct, systems
+from bench.disagg.__main__ import dynamo_knobs, ferry_flags, long_prompt_workload, pct, systems
 from bench.disagg.tiers import bounds, gap_closed, host_tier_verdicts
 
 
@@ -76,3 +78,11 @@ def test_bounds_grow_with_the_cache_up_to_the_infinite_one() -> None:
     b_ = bounds([a, b] * 3, workers=1, device_blocks=4, host_blocks=[4], block_size=64)
     assert b_["lru_4"] == 0.0
     assert b_["lru_8"] == b_["infinite"] == pytest.approx(4 * 3 * 64 / (6 * 256))
+
+
+def test_both_systems_get_the_same_step_budget() -> None:
+    args = argparse.Namespace(num_blocks=4096, min_uncached=0, max_num_batched_tokens=512, speedup=0.2)
+    ferry, dynamo = ferry_flags(args), dynamo_knobs(args, 23040)
+    for flags in (ferry, dynamo):
+        assert flags[flags.index("--max-num-batched-tokens") + 1] == "512"
+    assert dynamo[dynamo.index("--num-gpu-blocks-override") + 1] == ferry[ferry.index("--num-blocks") + 1]
