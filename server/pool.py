@@ -13,6 +13,20 @@ from server.metrics import FrontendMetrics
 
 log = logging.getLogger("ferry.frontend")
 
+# How long stop() waits for the cancelled refresh: each Redis command in it times out within 2 s.
+STOP_WAIT_S = 3.0
+
+
+def _awaiting(coro: object) -> str:
+    """The chain of awaits a suspended coroutine is in, outermost first (a task's own stack shows one frame)."""
+    lines = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return "\n".join(lines)
+
 
 class WorkerPool:
     """Live workers by model; the router reads it without a Redis round trip per request."""
@@ -57,10 +71,18 @@ class WorkerPool:
         self._task = asyncio.create_task(self._loop(), name="worker-pool")
 
     async def stop(self) -> None:
-        """Stop refreshing."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        """Stop refreshing; a refresh that does not end once cancelled is logged with where it waits, and left."""
+        task = self._task
+        if task is None:
+            return
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=STOP_WAIT_S)
+        if not done:
+            # Seen once in a test run: the frontend's exit waited on it until it was killed. Where it waits says why.
+            log.warning("the registry refresh did not end %.1fs after its cancel; left behind, waiting in:\n%s",
+                        STOP_WAIT_S, _awaiting(task.get_coro()))  # fmt: skip
+            return
+        await asyncio.gather(task, return_exceptions=True)
 
     def live(self, model: str) -> list[WorkerStatus]:
         """Workers that take new requests for `model`: a base model, or a LoRA adapter they hold."""
