@@ -21,6 +21,7 @@ ENV_PREFIX = "FERRY_"
 
 RouterPolicy = Literal["kv", "round_robin", "random", "least_loaded"]
 DecodeLoad = Literal["distinct", "sequences"]
+DisaggFirstToken = Literal["decode", "prefill"]
 EngineName = Literal["sim", "vllm"]
 # vLLM's names of the tool-call formats the frontend reads (server/tool_parsers/); "" = none.
 ToolCallParser = Literal["", "hermes", "llama3_json", "mistral"]
@@ -176,6 +177,15 @@ class RouterSettings:
             "disaggregated serving: a prompt with fewer uncached tokens than this on its decode worker is "
             "prefilled there instead of on a prefill worker; 0 = always a prefill worker (Dynamo's "
             "conditional threshold is 2048)"
+        ),
+    )
+    disagg_first_token: DisaggFirstToken = dataclasses.field(
+        default="decode",
+        metadata=_help(
+            "disaggregated serving: when the client gets a sequence's first token: decode = as its decode "
+            "worker starts it, one decode step before the second (the stream keeps the decode worker's pace, as "
+            "Dynamo and vLLM's P/D proxy stream it); prefill = as soon as the prefill worker has it (time to "
+            "first token shorter by the hand-off, the first inter-token gap longer by as much)"
         ),
     )
     router_temperature: float = dataclasses.field(

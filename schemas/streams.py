@@ -43,6 +43,8 @@ class StreamRecord(msgspec.Struct, omit_defaults=True, frozen=True):
     continuous_usage: bool = False
     # Chat requests with tools: how the output becomes tool calls.
     tools: ToolCallMode | None = None
+    # Sequences (choice indices) whose prefill worker's token waited for their decode worker (server/streams.py).
+    held_first: list[int] = []
 
 
 stream_record_encoder = msgspec.msgpack.Encoder()

@@ -7,7 +7,7 @@ decoded there); and, unless the prompt's uncached part on that worker is shorter
 `--disagg-min-uncached-tokens` (then it prefills there itself: conditional disaggregation, also taken when
 every prefill worker is busy), a prefill worker chosen by the same cost among the prefill workers, charged
 prefill only. The sequence starts on the
-prefill worker as a one-token, prefill-only attempt; its token reaches the client as the first token, and
+prefill worker as a one-token, prefill-only attempt; its token is the client's first (when: `--disagg-first-token`), and
 the frontend then moves the sequence to the decode worker with a `kv_from` descriptor (server/migration.py,
 `Mover.hand_off`). Aggregated routing and every migration choose among the workers that decode only.
 """

@@ -53,6 +53,7 @@ async def _remember(fe: Frontend, gen: Generation, kind: Kind, echo: bool) -> di
         n=spec.n, prompt_lens=spec.prompt_lens, include_usage=spec.include_usage, logprobs=spec.logprobs,
         echo_texts=spec.prompt_texts if echo else [], first_tokens=spec.first_tokens, frontend_id=fe.settings.frontend_id, tools=spec.tools,
         continuous_usage=spec.continuous_usage,
+        held_first=[s.choice for s in gen.stream.sequences.values() if s.hold_first],
     )  # fmt: skip
     try:
         async with asyncio.timeout(fe.settings.kafka_timeout_s):

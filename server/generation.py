@@ -151,6 +151,7 @@ class Generation:
                     self.stream.sequences[rid] = seq = Sequence(rid, pi * p.n + c, pi, decision, len(ids),
                                                                 wait_s=time.perf_counter() - t0)  # fmt: skip
                     seq.handoff, seq.kv_from, seq.placement = placed.decode, placed.kv_from, placed.mode
+                    seq.hold_first = placed.mode == "remote" and router.config.disagg_first_token == "decode"
                     seq.decode_worker = (placed.decode or decision).worker_id
                     self._submitted.append(seq)
         except BaseException:

@@ -71,8 +71,9 @@ class Replay:
         for k in range(total):
             rid = f"{request_id}.{k}"
             self.stream.sequences[rid] = Sequence(
-                rid, k, k // record.n, Decision(""), record.prompt_lens[k // record.n]
-            )
+                rid, k, k // record.n, Decision(""), record.prompt_lens[k // record.n],
+                hold_first=k in record.held_first,
+            )  # fmt: skip
         self._store = store
         self._keepalive_s = keepalive_s
         self._idle_timeout_s = idle_timeout_s

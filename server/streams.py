@@ -83,6 +83,10 @@ class Sequence:
     # (decode-first hand-off, workers/parking.py), and its offset in that worker's topic; None once handed off.
     parked: GenerateRequest | None = None
     parked_offset: int = -1
+    # Whether the prefill worker's token waits for the decode worker's word before it reaches the client
+    # (`--disagg-first-token decode`), and the token's chunk while it waits.
+    hold_first: bool = False
+    held: Chunk | None = None
 
     @property
     def worker_id(self) -> str:
@@ -128,6 +132,12 @@ class ClientStream:
         seq = self.sequences.get(chunk.request_id)
         if seq is None or seq.finished:
             return
+        if seq.held is not None and chunk.seq != MARKER_SEQ:
+            # The decode worker's copy of the token (sent as its engine starts the sequence), or whatever
+            # came instead: a move's first chunk, an error. The token goes first.
+            self._items.append((seq, seq.held))
+            self._ready.set()
+            seq.held = None
         if chunk.attempt != seq.attempt:
             if chunk.attempt < seq.attempt:
                 return  # from a worker the sequence already moved away from
@@ -159,6 +169,9 @@ class ClientStream:
         if chunk.finish_reason is not None:
             seq.finished = True
         seq.progressed.set()
+        if seq.hold_first and chunk.attempt == 0 and chunk.seq == 0 and chunk.finish_reason is None:
+            seq.held = chunk  # a disaggregated sequence's prefill token: it counts, and waits (above)
+            return
         self._items.append((seq, chunk))
         self._ready.set()
 

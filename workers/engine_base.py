@@ -100,7 +100,8 @@ class OutputStream(AsyncIterator[EngineOutput]):
 
     `on_close` runs before the generator is closed: a stream closed before its first `__anext__` never
     runs the generator's `finally`, so the abort cannot live only there. An engine that can hand its outputs
-    over inside its step passes `push`: then `push_to` replaces iterating.
+    over inside its step passes `push`: then `push_to` replaces iterating. One that can say when a sequence
+    first enters a step passes `scheduled`, which `when_scheduled` hands its callback to.
     """
 
     def __init__(
@@ -108,10 +109,12 @@ class OutputStream(AsyncIterator[EngineOutput]):
         gen: AsyncGenerator[EngineOutput, None],
         on_close: Callable[[], Awaitable[None] | None],
         push: Callable[[OutputSink], asyncio.Future[None]] | None = None,
+        scheduled: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         self._gen = gen
         self._on_close = on_close
         self._push = push
+        self._scheduled = scheduled
 
     async def __anext__(self) -> EngineOutput:
         return await self._gen.__anext__()
@@ -120,6 +123,14 @@ class OutputStream(AsyncIterator[EngineOutput]):
         """Have the engine call `sink` with each delta as it makes it, instead of being iterated; the future
         ends with the sequence (cancelling it drops what follows). None if this engine only streams."""
         return None if self._push is None else self._push(sink)
+
+    def when_scheduled(self, callback: Callable[[], None]) -> bool:
+        """Have the engine call `callback` once, when the sequence first enters a step (before any of its
+        outputs); False if this engine does not say (then nothing is called)."""
+        if self._scheduled is None:
+            return False
+        self._scheduled(callback)
+        return True
 
     async def aclose(self) -> None:
         """Abort the request if it is still running, then close the stream."""

@@ -54,11 +54,16 @@ def ending(req: GenerateRequest, seq: int, worker_id: str, error: ErrorInfo | No
 class _Attempt:
     """One attempt's progress on the engine: where its chunk numbers are, and its timing so far."""
 
-    __slots__ = ("aborted", "finished", "first", "generated", "last_at", "queued", "req", "seq", "started", "task")
+    __slots__ = (
+        "aborted", "finished", "first", "first_chunk", "generated", "last_at", "queued", "req", "seq", "started",
+        "task",
+    )  # fmt: skip
 
-    def __init__(self, req: GenerateRequest, task: asyncio.Task[None]) -> None:
+    def __init__(self, req: GenerateRequest, task: asyncio.Task[None], first_chunk: Chunk | None) -> None:
         self.req = req
         self.task = task
+        # A released hand-off's token, sent as this attempt's first chunk when the engine first schedules it.
+        self.first_chunk = first_chunk
         self.seq = req.seq_base  # a migrated request continues the sequence numbers its stream already used
         self.generated = len(req.generated_token_ids)
         # From this many generated tokens on, the next output is the last.
@@ -215,9 +220,17 @@ class Serving:
         delivered = None if bells is None else lambda: bells.ring_soon(to)
         self._outbox.put_request(self._request_topics.current(to), release, delivered)
 
+    def _send_first(self, att: _Attempt) -> None:
+        """A released hand-off's token, once, as the attempt's first chunk (workers/parking.py)."""
+        if att.first_chunk is not None:
+            chunk, att.first_chunk = att.first_chunk, None
+            self._outbox.put(att.req, chunk)
+
     def _on_output(self, att: _Attempt, out: EngineOutput) -> None:
         """One engine delta of an attempt: its chunk on the outbox, its figures in the metrics."""
         req, metrics = att.req, self._metrics
+        if att.first_chunk is not None:
+            self._send_first(att)
         att.generated += len(out.token_ids)
         if att.generated >= att.last_at:
             self._last_step.add(att.task)
@@ -244,6 +257,12 @@ class Serving:
     async def _generate(self, att: _Attempt) -> None:
         """Run the attempt's sequence on the engine, each delta through `_on_output`."""
         outputs = self._engine.generate(att.req)
+        if att.first_chunk is not None:
+            # A hand-off's token goes out when the sequence joins the engine's batch, one step before the next
+            # token, so the frontend can give the client both at the decode worker's pace (server/streams.py).
+            send = functools.partial(self._send_first, att)
+            if not (isinstance(outputs, OutputStream) and outputs.when_scheduled(send)):
+                send()
         if isinstance(outputs, OutputStream):
             done = outputs.push_to(functools.partial(self._on_output, att))
             if done is not None:
@@ -267,19 +286,18 @@ class Serving:
         """Run one sequence and send every delta back as a Chunk."""
         me = asyncio.current_task()
         assert me is not None
-        att = _Attempt(req, me)
+        att = _Attempt(req, me, first_chunk)
         wid, metrics = self._worker_id, self._metrics
         metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         try:
             if req.prefill_only or att.generated >= att.last_at:
                 self._last_step.add(me)
-            if first_chunk is not None:
-                self._outbox.put(req, first_chunk)
             # Cancelled before it started: nothing to generate, the abort chunk below ends it.
             if me not in self._cancelled:
                 await self._generate(att)
             if not att.finished:
                 # The engine ended the sequence without a reason: it was aborted (client cancel).
+                self._send_first(att)
                 self._outbox.put(req, ending(req, att.seq, wid))
                 metrics.requests.labels("aborted").inc()
             else:
@@ -287,6 +305,7 @@ class Serving:
                 metrics.requests.labels("aborted" if att.aborted else "finished").inc()
         except asyncio.CancelledError:
             if self._stop_error is not None:
+                self._send_first(att)
                 self._outbox.send_final_nowait(req, ending(req, att.seq, wid, self._stop_error))
             metrics.requests.labels("cancelled").inc()
             raise
@@ -296,10 +315,12 @@ class Serving:
             self._on_fatal(exc)
             metrics.requests.labels("error").inc()
         except EngineError as exc:
+            self._send_first(att)
             self._outbox.put(req, ending(req, att.seq, wid, ErrorInfo(exc.code, str(exc), exc.retriable)))
             metrics.requests.labels("error").inc()
         except Exception as exc:
             log.exception("request %s failed in the engine", req.request_id)
             error = ErrorInfo("internal_error", f"{type(exc).__name__}: {exc}", retriable=True)
+            self._send_first(att)
             self._outbox.put(req, ending(req, att.seq, wid, error))
             metrics.requests.labels("error").inc()

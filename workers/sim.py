@@ -10,6 +10,7 @@ with a structured-output constraint gets text valid for it instead (workers/sim_
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import itertools
 import logging
@@ -64,6 +65,8 @@ class _Seq:
     cached_tokens: int | None = None
     received: int = 0  # leading tokens whose KV came from a prefill worker, computed as of admission
     sent_first: bool = False
+    # Called when the sequence is first admitted into a step (OutputStream.when_scheduled).
+    on_scheduled: Callable[[], None] | None = None
     # When it was queued, and how long it waited until first scheduled (for the first output).
     queued_at: float = 0.0
     queued_s: float = 0.0
@@ -191,7 +194,12 @@ class SimEngine(EngineLifecycle):
         # Counted as waiting while its KV is on its way from a prefill worker (then queued by _arrive).
         self._num_waiting += 1
         seq.received = self.receiver.receive(request.kv_from, tokens, seq.kv.seed, lambda: self._arrive(seq))
-        return OutputStream(self._stream(seq), lambda: self._abort_seq(seq), push=seq.mailbox.push_to)
+        return OutputStream(
+            self._stream(seq),
+            lambda: self._abort_seq(seq),
+            push=seq.mailbox.push_to,
+            scheduled=functools.partial(self._when_scheduled, seq),
+        )
 
     async def abort(self, request_id: str) -> None:
         """Stop one request and free its blocks; a no-op if it is unknown or done."""
@@ -267,6 +275,13 @@ class SimEngine(EngineLifecycle):
         finally:
             # Covers aclose, cancellation of the consumer, and a started-then-dropped stream being finalised.
             self._abort_seq(seq)
+
+    @staticmethod
+    def _when_scheduled(seq: _Seq, callback: Callable[[], None]) -> None:
+        if seq.cached_tokens is None:
+            seq.on_scheduled = callback
+        else:  # already admitted
+            callback()
 
     def _abort_seq(self, seq: _Seq) -> None:
         if seq.state is _State.FINISHED:
@@ -382,6 +397,12 @@ class SimEngine(EngineLifecycle):
                 seq.queued_s = time.monotonic() - seq.queued_at
                 self._prompt_tokens_seen += prompt_len
                 self._cached_tokens_seen += seq.cached_tokens
+                if seq.on_scheduled is not None:
+                    scheduled, seq.on_scheduled = seq.on_scheduled, None
+                    try:
+                        scheduled()
+                    except Exception:  # the caller's failure, never the engine's step
+                        logger.exception("the scheduling callback of %s failed", seq.request.request_id)
             work[seq.request.request_id] = (seq, n)
             budget -= n
         return budget

@@ -116,13 +116,65 @@ async def test_disaggregated_stream_is_the_aggregated_one_with_its_first_token_f
         async with c.stream("GET", f"/v1/chat/completions/{headers['x-request-id']}/stream") as r:
             assert r.status_code == 200
             assert [e async for e in sse_events(r)] == events
-    # Each choice of n is placed on its own.
-    headers, events = await read(disagg_url, body(n=2))
+    # Each choice of n is placed on its own; the replay holds each first token back as the live stream did.
+    headers, events = await read(disagg_url, body(n=2), {"x-ferry-resumable": "1"})
     assert headers["x-ferry-disagg"] == "remote,remote"
     assert headers["x-ferry-decode-worker"] == f"{wid(decode)},{wid(decode)}"
     assert not any('"error"' in d for _, d in events)
     assert json.loads(events[-2][1])["usage"]["completion_tokens"] == 80
     assert (generated(prefill), generated(decode)) == (1 + 2, 79 + 2 * 39)
+    async with httpx.AsyncClient(base_url=local_url, timeout=60) as c:
+        async with c.stream("GET", f"/v1/chat/completions/{headers['x-request-id']}/stream") as r:
+            assert [e async for e in sse_events(r)] == events
+
+
+async def test_the_first_token_waits_for_the_decode_worker_unless_the_frontend_sends_it_early(
+    h: Harness,
+) -> None:
+    prefill = await h.add_worker(role="prefill")
+    decode = await h.add_worker(role="decode")
+    fe, url = await h.add_frontend()
+    early, early_url = await h.add_frontend(disagg_first_token="prefill")
+    await sees(fe, prefill, decode)
+    await sees(early, prefill, decode)
+    engine = decode.worker.engine
+    assert isinstance(engine, SimEngine)
+
+    def step_again() -> None:
+        engine.hung = False
+        engine._wake.set()
+
+    # The decode worker takes the hand-off but its engine does not step, so does not start the sequence.
+    engine.hung = True
+    async with (
+        httpx.AsyncClient(base_url=early_url, timeout=60) as c,
+        c.stream("POST", "/v1/chat/completions", json=body()) as r,
+    ):
+        stream = sse_events(r)
+        got: list[tuple[str | None, str]] = []
+        async with asyncio.timeout(30):
+            while not text_of(got):
+                got.append(await anext(stream))
+        # Sent early: the client has the prefill worker's token before the decode worker started.
+        assert generated(prefill) == 1 and generated(decode) == 0
+        step_again()
+        got += [e async for e in stream]
+    assert_complete(got, 40)
+
+    # By default the frontend holds it until the decode worker's engine takes the sequence into a step.
+    engine.hung = True
+    reading = asyncio.create_task(read(url, body()))
+
+    async def held() -> bool:
+        streams = list(fe.svc.demux._by_request.values())
+        return any(q.held is not None for s in streams for q in s.sequences.values())
+
+    await until(held, 30)
+    assert generated(prefill) == 2 and not reading.done()
+    step_again()
+    _, events = await reading
+    assert_complete(events, 40)
+    assert text_of(events) == text_of(got)
 
 
 async def test_the_prefill_worker_releases_the_decode_attempt_without_the_frontend(

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 
 from bus.topics import RequestTopics
-from schemas.kafka import Chunk, GenerateRequest, KVFrom, Release
+from schemas.kafka import Chunk, ErrorInfo, GenerateRequest, KVFrom, Release
 from schemas.names import request_topic
-from server.streams import ClientStream, Sequence
+from server.router import Decision
+from server.streams import ClientStream, Sequence, marker
+from workers.engine import EngineOutput
+from workers.engine_base import OutputStream
+from workers.metrics import WorkerMetrics
 from workers.parking import Parking, released
 from workers.serving import Serving
 
@@ -127,3 +131,110 @@ async def test_a_release_goes_to_the_decode_workers_current_epoch_not_its_unroll
     serving._release(req, Chunk("r.0", 0, token_ids=[7], text="x", worker_id="p"))
     [(topic, sent)] = outbox.sent
     assert topic == request_topic("d", 100) and (sent.request_id, sent.attempt) == ("r.0", 1)
+
+
+def held_stream() -> tuple[ClientStream, Sequence]:
+    s = ClientStream("r")
+    seq = Sequence("r.0", 0, 0, Decision("p"), 3, hold_first=True)
+    s.sequences["r.0"] = seq
+    return s, seq
+
+
+def delivered(s: ClientStream) -> list[tuple[int, int]]:
+    return [(c.seq, c.attempt) for _, c in s._items]
+
+
+def test_a_held_prefill_token_reaches_the_client_with_the_decode_workers_copy_of_it() -> None:
+    prefill_token = Chunk("r.0", 0, token_ids=[7], worker_id="p", attempt=0)
+    copy = Chunk("r.0", 0, token_ids=[7], worker_id="d", attempt=1)
+    second = Chunk("r.0", 1, token_ids=[8], worker_id="d", attempt=1)
+    s, seq = held_stream()
+    s.put(prefill_token)
+    # It counts at once (a move from here continues after it), but the client does not get it yet,
+    s.put(marker("r.0", 1, "d"))  # not on the hand-off's marker either,
+    assert (seq.token_ids, seq.next_seq, delivered(s)) == ([7], 1, [])
+    s.put(copy)  # but once the decode worker started the sequence.
+    assert delivered(s) == [(0, 0)]
+    s.put(second)
+    assert delivered(s) == [(0, 0), (1, 1)] and seq.token_ids == [7, 8]
+    # The copy first: the decode worker's attempt is the sequence's, and nothing waits.
+    s, seq = held_stream()
+    for c in (copy, prefill_token, second):
+        s.put(c)
+    assert delivered(s) == [(0, 1), (1, 1)]
+
+
+def test_a_held_token_goes_out_before_whatever_comes_instead_of_the_copy() -> None:
+    prefill_token = Chunk("r.0", 0, token_ids=[7], worker_id="p", attempt=0)
+    # The decode worker was lost: the sequence moved, and the new worker's first chunk follows the token.
+    s, _ = held_stream()
+    for c in (
+        prefill_token,
+        marker("r.0", 2, "d2"),
+        Chunk("r.0", 1, token_ids=[8], worker_id="d2", attempt=2),
+    ):
+        s.put(c)
+    assert delivered(s) == [(0, 0), (1, 2)]
+    # The frontend ended it.
+    s, _ = held_stream()
+    s.put(prefill_token)
+    s.fail("r.0", ErrorInfo("timeout", "no progress"))
+    assert delivered(s) == [(0, 0), (1, 0)]
+    # A token that ends the sequence by itself is not held; nor is anything without the setting.
+    s, _ = held_stream()
+    s.put(Chunk("r.0", 0, token_ids=[2], finish_reason="stop", worker_id="p"))
+    s2 = ClientStream("r")
+    s2.sequences["r.0"] = Sequence("r.0", 0, 0, Decision("p"), 3)
+    s2.put(prefill_token)
+    assert delivered(s) == delivered(s2) == [(0, 0)]
+
+
+class _Engine:
+    """Just enough of an engine to tell when a sequence is scheduled and to take its outputs."""
+
+    def __init__(self) -> None:
+        self.on_scheduled: Callable[[], None] | None = None
+        self.sink: Callable[[EngineOutput], None] | None = None
+        self.pushed = asyncio.Event()
+
+    def generate(self, req: GenerateRequest) -> OutputStream:
+        async def nothing() -> AsyncGenerator[EngineOutput, None]:
+            return
+            yield
+
+        def push(sink: Callable[[EngineOutput], None]) -> asyncio.Future[None]:
+            self.sink = sink
+            self.pushed.set()
+            return asyncio.get_running_loop().create_future()
+
+        def scheduled(callback: Callable[[], None]) -> None:
+            self.on_scheduled = callback
+
+        return OutputStream(nothing(), lambda: None, push=push, scheduled=scheduled)
+
+
+class _Outbox(Outbox):
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunks: list[Chunk] = []
+
+    def put(self, req: GenerateRequest, chunk: Chunk) -> None:
+        self.chunks.append(chunk)
+
+
+async def test_a_released_attempt_sends_the_token_when_its_engine_schedules_it() -> None:
+    engine, outbox = _Engine(), _Outbox()
+    serving = Serving(engine, outbox, WorkerMetrics(), "d", lambda exc: None)  # type: ignore[arg-type]
+    run, first = released(parked(), release(), "d")
+    task = serving.start(run, first)
+    await asyncio.wait_for(engine.pushed.wait(), 5)
+    # In the engine's queue: sent now, it would reach the client a wait for the engine's step early.
+    assert outbox.chunks == []
+    assert engine.on_scheduled is not None
+    engine.on_scheduled()
+    assert outbox.chunks == [first]
+    assert engine.sink is not None
+    engine.sink(EngineOutput([8], text="y"))
+    assert [(c.seq, c.token_ids) for c in outbox.chunks] == [(0, [7]), (1, [8])]
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

@@ -12,6 +12,7 @@ from schemas.kafka import KVFrom
 from schemas.kv_events import BlockStored
 from tests.unit import test_sim_engine as sim_tests
 from tests.unit.test_sim_engine import MODEL, MakeEngine, RecordingEngine, collect, drain, prompt, req
+from workers.engine_base import OutputStream
 from workers.sim import _Seq
 from workers.sim_transfer import admission, received_tokens, transfer_seconds
 
@@ -108,3 +109,25 @@ async def test_the_link_time_is_wall_time_whatever_the_speedup(make_engine: Make
         engine.generate(req("d", prompt(100, salt=4), 2, generated_token_ids=[5], kv_from=KVFrom("p", 100)))
     )
     assert loop.time() - t0 >= expected
+
+
+async def test_a_handed_off_sequence_is_announced_once_as_it_enters_its_first_step(
+    make_engine: MakeEngine,
+) -> None:
+    # The decode worker sends the prefill worker's token then (workers/serving.py): one step before the next.
+    engine = await make_engine(speedup=1.0, kv_bytes_per_token=1_000_000, kv_transfer_bandwidth_gbps=1.0)
+    stream = engine.generate(
+        req("d", prompt(100, salt=5), 3, generated_token_ids=[5], kv_from=KVFrom("p", 100))
+    )
+    assert isinstance(stream, OutputStream)
+    seen: list[str] = []
+    # Not while its KV is on its way (112 ms here), nor before any output.
+    assert stream.when_scheduled(lambda: seen.append(f"scheduled, waiting {engine.stats().waiting}"))
+    done = stream.push_to(lambda out: seen.append(f"output {out.token_ids}"))
+    assert done is not None
+    await done
+    assert seen[0] == "scheduled, waiting 0" and len(seen) == 4
+    assert all(s.startswith("output") for s in seen[1:])
+    # Asked after it was scheduled: at once.
+    assert stream.when_scheduled(lambda: seen.append("late"))
+    assert seen[-1] == "late"
