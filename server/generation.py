@@ -84,7 +84,7 @@ class Generation:
         self.id = request_id
         self.resumable = resumable
         self.mover = Mover(self, svc)
-        self.stream = ClientStream(request_id, on_lost=self.mover.lost)
+        self.stream = ClientStream(request_id, on_lost=self.mover.lost, on_held=self._arrived)
         self.created = int(time.time())
         # When the request arrived (perf_counter): what TTFT and end-to-end latency count from.
         self.started_at = time.perf_counter() if arrived is None else arrived
@@ -285,10 +285,7 @@ class Generation:
                 self._observe_tokens(batch)
                 for seq, chunk in batch:
                     seq.decision.remaining -= len(chunk.token_ids)
-                    if chunk.token_ids and not seq.decision.prefilled:
-                        self.svc.router.prefilled(seq.decision)
-                    if chunk.token_ids and seq.handoff is not None and chunk.finish_reason is None:
-                        self.mover.hand_off(seq)  # the prefill worker's token: on to the decode worker
+                    self._arrived(seq, chunk)
                     if chunk.error is not None:
                         self._failed = True
                         self.svc.metrics.errors.labels(self.model, chunk.error.code, "stream").inc()
@@ -302,6 +299,14 @@ class Generation:
                     self.fail(seq, f"no progress from worker {seq.worker_id} for {wait:.0f}s", "timeout")
                 continue
             yield batch
+
+    def _arrived(self, seq: Sequence, chunk: Chunk) -> None:
+        """What a chunk with tokens sets off when it counts: its worker's prefill is done; a prefill worker's
+        token hands the sequence on to its decode worker."""
+        if chunk.token_ids and not seq.decision.prefilled:
+            self.svc.router.prefilled(seq.decision)
+        if chunk.token_ids and seq.handoff is not None and chunk.finish_reason is None:
+            self.mover.hand_off(seq)  # the prefill worker's token: on to the decode worker
 
     def _observe_tokens(self, batch: list[tuple[Sequence, Chunk]]) -> None:
         """TTFT on the first delivery with output; after it, inter-token latency once per token."""

@@ -282,3 +282,36 @@ async def test_decode_worker_lost_mid_stream_is_migrated(h: Harness) -> None:
     assert fe.metrics.migrations.labels("handoff", "moved")._value.get() == 1
     assert fe.metrics.migrations.labels("worker_died", "moved")._value.get() == 1
     assert await asyncio.wait_for(victim.task, 30) == 1  # its engine did die
+
+
+async def test_a_decode_worker_gone_before_the_token_is_replaced_and_the_held_token_still_goes_out(
+    h: Harness,
+) -> None:
+    prefill = await h.add_worker(role="prefill")
+    decoders = [await h.add_worker(role="decode") for _ in range(2)]
+    fe, url = await h.add_frontend()
+    await sees(fe, prefill, *decoders)
+    engine = prefill.worker.engine
+    assert isinstance(engine, SimEngine)
+    engine.hung = True  # no token until the decode worker it was placed with is gone
+    reading = asyncio.create_task(read(url, body()))
+
+    async def parked() -> bool:
+        return any(len(d.worker.serving.parking) for d in decoders)
+
+    await until(parked, 30)
+    victim, other = sorted(decoders, key=lambda d: -len(d.worker.serving.parking))
+    await victim.halt()
+
+    async def gone() -> bool:
+        return wid(victim) not in {w.worker_id for w in fe.svc.pool.live(MODEL)}
+
+    await until(gone, 30)
+    engine.hung = False
+    engine._wake.set()
+    # The frontend hands the sequence over itself, to the other decode worker, which sends no copy of the
+    # token: the held token goes out with that worker's first chunk (it waited for nothing else).
+    headers, events = await reading
+    assert headers["x-ferry-decode-worker"] == wid(victim)
+    assert_complete(events, 40)
+    assert (generated(prefill), generated(other)) == (1, 39)
