@@ -23,6 +23,7 @@ from launch.services import Child, free_port, start_broker, start_redis
 from schemas.ops_settings import PlannerPolicySettings, StackSettings
 from schemas.settings import ENV_PREFIX, FrontendSettings, WorkerSettings
 from server.tenants import TenantsError, configured_tenants
+from workers.engine_choice import kv_connector_given
 
 log = logging.getLogger("ferry.stack")
 
@@ -103,10 +104,15 @@ def load_stack(argv: Sequence[str] | None = None) -> Stack:
         raise SystemExit(
             "ferry up: prefill workers need a worker that decodes (--decode-workers or --workers)"
         )
-    if pools and (settings.autoscale or worker.engine != "sim" or "role" in given(ns)):
+    if pools and (settings.autoscale or "role" in given(ns)):
         raise SystemExit(
-            "ferry up: --prefill-workers/--decode-workers start simulated workers with their roles; they do not "
-            "combine with --autoscale, --engine vllm or --role"
+            "ferry up: --prefill-workers/--decode-workers start workers with their roles; they do not combine "
+            "with --autoscale or --role"
+        )
+    if pools and worker.engine == "vllm" and not kv_connector_given(engine_flags):
+        raise SystemExit(
+            "ferry up: vLLM prefill and decode workers need a KV connector between their engines: pass vLLM's "
+            "--kv-transfer-config after -- (docs/architecture.md, \"Disaggregated prefill and decode\")"
         )
     if settings.autoscale and not planner.min_workers <= settings.workers <= planner.max_workers:
         raise SystemExit(

@@ -425,7 +425,8 @@ class WorkerSettings(CommonSettings, SimSettings, VLLMSettings, PoolSettings):
         default="both",
         metadata=_help(
             "disaggregated serving: prefill (prompts only), decode (continues prefilled sequences, prefills "
-            "short prompts itself) or both (aggregated); sim only for now"
+            "short prompts itself) or both (aggregated); with --engine vllm, prefill and decode need vLLM's "
+            "--kv-transfer-config (the connector that moves the prompt's KV)"
         ),
     )
     busy_fetch_wait_ms: int = dataclasses.field(

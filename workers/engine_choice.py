@@ -14,16 +14,23 @@ from workers.engine import Engine
 from workers.model_dir import load_model_info
 
 
+def kv_connector_given(engine_flags: Sequence[str]) -> bool:
+    """Whether vLLM's engine flags name a KV connector (what moves a prompt's KV between P/D engines)."""
+    return any(flag.split("=", 1)[0] == "--kv-transfer-config" for flag in engine_flags)
+
+
 def build_engine(settings: WorkerSettings, engine_flags: Sequence[str] = ()) -> Engine:
     """The engine `settings.engine` names; a max_model_len of 0 becomes the engine's own. `engine_flags` are
     vLLM's own engine flags (`--dtype bfloat16`), which only the vLLM engine takes."""
     if settings.engine == "vllm":
-        if settings.role != "both":
-            # vLLM's P/D needs a KV connector between engines; on its CPU build only the example shared-storage
-            # connector runs (docs/architecture.md, "KV tiers"), and Ferry does not drive it yet.
+        if settings.role != "both" and not kv_connector_given(engine_flags):
+            # The prompt's KV travels between the engines through vLLM's KV connector, which Ferry does not
+            # choose: on vLLM's CPU build only the example shared-storage one runs (docs/architecture.md).
             raise ValueError(
-                f"--role {settings.role} is supported by the simulated engine only for now (--engine sim); "
-                "a vLLM worker serves aggregated (--role both)"
+                f"--role {settings.role} with --engine vllm needs a KV connector between the engines: pass "
+                "vLLM's --kv-transfer-config after -- (on CPU: "
+                '\'{"kv_connector":"ExampleConnector","kv_role":"kv_both",'
+                '"kv_connector_extra_config":{"shared_storage_path":"/some/shared/dir"}}\')'
             )
         # Imported only here: vLLM is an optional install and takes seconds to import.
         from workers.vllm_config import VLLMConfig

@@ -45,6 +45,9 @@ def test_transfer_bytes_per_token_come_from_the_model_unless_given(model_path: P
     assert isinstance(pd, SimEngine) and pd.config.kv_bytes_per_token == 30 * 3 * 64 * 2 * 2
 
 
-def test_vllm_worker_refuses_a_disaggregated_role(model_path: Path) -> None:
-    with pytest.raises(ValueError, match="--role decode is supported by the simulated engine only"):
-        build_engine(WorkerSettings(model_path=str(model_path), engine="vllm", role="decode"))
+def test_vllm_worker_refuses_a_disaggregated_role_without_a_kv_connector(model_path: Path) -> None:
+    settings = WorkerSettings(model_path=str(model_path), engine="vllm", role="decode")
+    with pytest.raises(ValueError, match="--role decode with --engine vllm needs a KV connector"):
+        build_engine(settings)
+    with pytest.raises(ValueError, match="needs a KV connector"):
+        build_engine(settings, ["--dtype", "float32"])

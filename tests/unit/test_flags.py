@@ -112,12 +112,20 @@ def test_ferry_up_starts_prefill_and_decode_pools_with_their_roles() -> None:
     bad = (
         ["--workers", "0"],  # nothing to start
         ["--workers", "0", "--prefill-workers", "2"],  # nobody decodes
-        ["--prefill-workers", "1", "--decode-workers", "1", "--engine", "vllm"],  # sim only for now
+        ["--prefill-workers", "1", "--decode-workers", "1", "--engine", "vllm"],  # no KV connector
         ["--prefill-workers", "1", "--decode-workers", "1", "--role", "decode"],  # the pools name the roles
     )
     for argv in bad:
         with pytest.raises(SystemExit):
             load_stack(argv)
+    # vLLM pools with a KV connector between their engines: every worker gets the engine flags.
+    connector = '{"kv_connector":"ExampleConnector","kv_role":"kv_both"}'
+    stack = load_stack(
+        ["--engine", "vllm", "--workers", "0", "--prefill-workers", "1", "--decode-workers", "1", "--",
+         "--kv-transfer-config", connector]
+    )  # fmt: skip
+    argv = _worker_argv(stack, "k:1", "redis://r", "decode-0", "decode")
+    assert argv[-2:] == ["--kv-transfer-config", connector]
 
 
 def test_ferry_up_has_no_per_child_id() -> None:

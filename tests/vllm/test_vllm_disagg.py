@@ -1,0 +1,85 @@
+"""Disaggregated prefill and decode with the real engine: vLLM's example shared-storage connector carries the
+prompt's KV from the prefill worker's engine to the decode worker's through files, the one KV connector that
+runs on vLLM's CPU build (docs/architecture.md, "KV tiers"). Ferry's part is the same as with the simulated
+engine: the placement, the prefill-only attempt, the release, the parked decode attempt."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from launch.services import Child
+from schemas.settings import DEFAULT_MODEL_NAME as MODEL
+from tests.harness import harness, sse_events
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = "Ferries cross the harbour every morning and carry commuters to the city. " * 12
+
+
+async def worker(wid: str, role: str, kv_role: str, store: Path, kafka: str, redis_url: str, prefix: str,
+                 model_path: Path) -> Child:  # fmt: skip
+    """A vLLM worker process of `role`, its engine's connector in `kv_role` over `store`."""
+    connector = {"kv_connector": "ExampleConnector", "kv_role": kv_role,
+                 "kv_connector_extra_config": {"shared_storage_path": str(store)}}  # fmt: skip
+    argv = [sys.executable, "-m", "launch", "worker", "--engine", "vllm", "--role", role, "--worker-id", wid,
+            "--block-size", "32", "--kafka", kafka, "--redis", redis_url, "--redis-prefix", prefix,
+            "--model-path", str(model_path), "--kv-cache-gib", "0.25", "--heartbeat-interval-s", "0.5",
+            "--max-loras", "0", "--log-level", "warning", "--", "--kv-transfer-config", json.dumps(connector)]  # fmt: skip
+    child = await Child.spawn(wid, argv, echo=False)
+    await child.wait_for_line(lambda line: line.startswith("ferry-worker-ready"), 240)
+    return child
+
+
+async def read(url: str, body: dict[str, Any]) -> tuple[httpx.Headers, str, dict[str, Any]]:
+    """One streamed completion: its headers, its text and its usage."""
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=120) as c,
+        c.stream("POST", "/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200, await r.aread()
+        events = [json.loads(d) async for _, d in sse_events(r) if d != "[DONE]"]
+    assert not any("error" in e for e in events), events[-2:]
+    text = "".join(ch["text"] for e in events for ch in e.get("choices", []))
+    return r.headers, text, events[-1]["usage"]
+
+
+async def test_a_prompt_prefilled_on_one_vllm_engine_is_decoded_on_another_from_its_kv(
+    kafka: str, redis_url: str, model_path: Path, tmp_path: Path
+) -> None:
+    prefix = f"pd{uuid.uuid4().hex[:8]}:"
+    async with harness(kafka, redis_url, prefix, model_path) as h:
+        args = (tmp_path, kafka, redis_url, prefix, model_path)
+        children = await asyncio.gather(
+            worker("pd-prefill", "prefill", "kv_producer", *args),
+            worker("pd-decode", "decode", "kv_consumer", *args),
+        )
+        try:
+            _, url = await h.add_frontend()
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+            headers, text, usage = await read(url, body)
+            assert headers["x-ferry-disagg"] == "remote"
+            assert (headers["x-ferry-worker"], headers["x-ferry-decode-worker"]) == (
+                "pd-prefill",
+                "pd-decode",
+            )
+            assert usage["completion_tokens"] == 12
+            # The prefill worker's engine wrote the prompt's KV; the decode worker's loaded it instead of
+            # computing it (vLLM counts connector-loaded tokens as cached), up to its last whole block.
+            assert await asyncio.to_thread(lambda: any(tmp_path.iterdir()))
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 32
+            # The same text as one engine computing it all: greedy decoding from the same KV.
+            _, local_url = await h.add_frontend(disagg_min_uncached_tokens=1_000_000)
+            local_headers, reference, _ = await read(local_url, {**body, "prompt": PROMPT})
+            assert local_headers["x-ferry-disagg"] == "local"
+            assert text == reference
+        finally:
+            await asyncio.gather(*(c.stop(30) for c in children))
