@@ -18,7 +18,7 @@ import msgspec
 
 from bench.overhead.measure import pct
 from bench.sse_client import Connection, stream_stats
-from bench.stack import FerryStack
+from bench.stack import FerryStack, run_cleanly
 
 VARIANTS = {"doorbell": [], "no-doorbell": ["--no-doorbell"]}
 
@@ -88,4 +88,4 @@ async def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    run_cleanly(main())

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from bench.overhead import machine_info
+from bench.stack import run_cleanly
 from launch.services import Child, free_port, restart_redis, start_broker, start_redis
 from schemas.settings import DEFAULT_MODEL_NAME, default_model_path
 
@@ -164,7 +165,7 @@ def cli() -> None:
     p.add_argument("--model-path", default=default_model_path())
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    out = asyncio.run(main(args))
+    out = run_cleanly(main(args))
     steady = out["steady"]
     assert isinstance(steady, dict)
     print(

@@ -9,12 +9,37 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from launch.services import Child, free_port
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+T = TypeVar("T")
+
+
+def run_cleanly(main: Coroutine[Any, Any, T], uv: bool = False) -> T:
+    """`asyncio.run(main)` (`uvloop.run` with `uv`), with SIGTERM cancelling it as Ctrl-C does: the stacks and peers it started are
+    stopped on the way out (their children run in sessions of their own, so a plain SIGTERM left them running)."""
+
+    async def guarded() -> T:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            return await main
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    if uv:
+        import uvloop
+
+        return uvloop.run(guarded())
+    return asyncio.run(guarded())
 
 
 def _stat_fields(pid: int) -> list[str] | None:

@@ -9,11 +9,10 @@ Run: `.venv/bin/python -m bench.tansu_fetch [--steps 0,10000,20000]`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from bench.stack import process_cpu_seconds
+from bench.stack import process_cpu_seconds, run_cleanly
 from bus.topics import ensure_topics
 from launch.services import Child, start_broker
 
@@ -66,4 +65,4 @@ if __name__ == "__main__":
     p.add_argument("--steps", default="0,5000,10000,20000,40000", help="partition sizes to measure at")
     p.add_argument("--rounds", type=int, default=50, help="round trips measured at each size")
     a = p.parse_args()
-    asyncio.run(main([int(x) for x in a.steps.split(",")], a.rounds))
+    run_cleanly(main([int(x) for x in a.steps.split(",")], a.rounds))

@@ -16,6 +16,7 @@ import uuid
 
 from aiokafka import AIOKafkaProducer, TopicPartition
 
+from bench.stack import run_cleanly
 from bus.read_spec import At, Batch, Hooks, Options, Poll
 from bus.reader import Reader
 from bus.topics import ensure_topics
@@ -98,4 +99,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    run_cleanly(main())

@@ -12,6 +12,7 @@ import time
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from bench.stack import run_cleanly
 from bus.topics import ensure_topics
 from launch.services import Child, start_broker
 
@@ -65,4 +66,4 @@ async def main() -> None:
     await p.stop()
     await child.stop()
 if __name__ == "__main__":
-    asyncio.run(main())
+    run_cleanly(main())

@@ -16,7 +16,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic, RecordsToDelete
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from bench.stack import process_cpu_seconds
+from bench.stack import process_cpu_seconds, run_cleanly
 from bench.tansu_fetch import broker_ms_per_round_trip
 from launch.services import Child, start_broker
 
@@ -147,4 +147,4 @@ if __name__ == "__main__":
     p.add_argument("--records", type=int, default=20000, help="records (one batch each) to fill with")
     p.add_argument("--size", type=int, default=2000, help="bytes per record")
     a = p.parse_args()
-    asyncio.run(main(a.records, a.size))
+    run_cleanly(main(a.records, a.size))

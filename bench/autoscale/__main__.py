@@ -33,6 +33,7 @@ import httpx
 
 from bench.overhead import machine_info
 from bench.routing.client import request_body
+from bench.stack import run_cleanly
 from bench.workload import DEFAULT_TRACE, WorkItem, read_trace, trace_workload
 from launch.autoscale import LocalWorkers, start_planner
 from launch.services import Child, free_port, start_broker, start_redis
@@ -295,4 +296,4 @@ async def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    sys.exit(run_cleanly(main()))

@@ -31,7 +31,7 @@ import openai
 from openai import AsyncOpenAI
 
 from bench.routing.run import machine_info
-from bench.stack import FerryStack
+from bench.stack import FerryStack, run_cleanly
 
 REPO = Path(__file__).resolve().parents[2]
 WORDS = (
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="ferry-bench-batch-") as tmp:
         for order in args.orders.split(","):
-            results.append(asyncio.run(one_stack(order, args, Path(tmp))))
+            results.append(run_cleanly(one_stack(order, args, Path(tmp))))
             save(args, results)
     report = table(results)
     print(report)

@@ -17,6 +17,7 @@ from typing import Any
 
 import uvicorn
 
+from bench.stack import run_cleanly
 from launch.frontend import ReadyServer
 from launch.services import free_port, start_broker, start_redis
 from schemas.settings import FrontendSettings, WorkerSettings, default_model_path
@@ -192,7 +193,7 @@ def main() -> None:
     p.add_argument("--model-path", default=default_model_path())
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cancel.json")
     args = p.parse_args()
-    out = asyncio.run(asyncio.wait_for(run(args.samples, args.background, args.model_path), timeout=600))
+    out = run_cleanly(asyncio.wait_for(run(args.samples, args.background, args.model_path), timeout=600))
     print("ms after the client closed its socket (median / p90 / max)")
     print(
         f"{'variant':<16} {'n':>3}  {'frontend sent Cancel':>22}  {'worker read it':>22}  {'engine aborted':>22}"

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.stack import FerryStack
+from bench.stack import FerryStack, run_cleanly
 from launch.flags import to_argv
 from launch.services import Child, start_broker, start_redis
 from launch.stack import EMBEDDED_BROKER_DEFAULTS
@@ -226,4 +226,4 @@ if __name__ == "__main__":
     p.add_argument("--log", help="write every process's output here (ferry up's and the workers')")
     a = p.parse_args()
     with open(a.log, "w") if a.log else contextlib.nullcontext() as log_file:
-        Path(a.out).write_text(json.dumps(asyncio.run(main(a, log_file)), indent=1))
+        Path(a.out).write_text(json.dumps(run_cleanly(main(a, log_file)), indent=1))

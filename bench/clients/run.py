@@ -55,6 +55,7 @@ from bench.clients.systems import (
     start_ferry,
     start_vllm_server,
 )
+from bench.stack import run_cleanly
 
 Run = Callable[[Server, int], Awaitable[Cell]]
 
@@ -291,4 +292,4 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.requests <= 0 or args.concurrency <= 0 or args.prefix_len >= args.input_len:
         p.error("--requests and --concurrency must be positive and --prefix-len below --input-len")
-    return asyncio.run(amain(args))
+    return run_cleanly(amain(args))

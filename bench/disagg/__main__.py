@@ -17,7 +17,7 @@ from bench.disagg.dynamo_pd import DynamoPD
 from bench.disagg.tiers import bounds, host_tier_verdicts, verdict_table
 from bench.routing.client import ReplayResult, replay
 from bench.routing.run import machine_info
-from bench.stack import FerryStack
+from bench.stack import FerryStack, run_cleanly
 from bench.workload import (
     DEFAULT_TRACE,
     TokenBank,
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
 
         args.model_path = default_model_path()
     args.argv = argv if argv is not None else __import__("sys").argv[1:]
-    results = asyncio.run(run(args))
+    results = run_cleanly(run(args))
     print(table(results["systems"]))
     if results["host_tier"]:
         print(verdict_table(results["host_tier"]))

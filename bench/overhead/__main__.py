@@ -11,6 +11,7 @@ from bench.overhead import __doc__ as _DOC
 from bench.overhead.peer import PEERS, print_peer_table, run_peer
 from bench.overhead.report import plot, print_table
 from bench.overhead.run import run
+from bench.stack import run_cleanly
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,19 +84,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and write its outputs."""
-    import uvloop
-
     args = parse_args(argv)
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
     if args.peer is not None:
-        results = uvloop.run(run_peer(args))
+        results = run_cleanly(run_peer(args), uv=True)
         print_peer_table(results)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")
         print(f"\nwrote {args.out}")
         return 0
-    results = uvloop.run(run(args))
+    results = run_cleanly(run(args), uv=True)
     print_table(results)
     if results.get("profiles"):
         print()

@@ -23,6 +23,7 @@ from bench.routing.run import (
     run_system,
 )
 from bench.routing.systems import SystemSpec, available_systems
+from bench.stack import run_cleanly
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -165,9 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["run"]:
         argv = argv[1:]
     args = parse_args(argv)
-    import uvloop
 
-    results = _clean(uvloop.run(run(args)))
+    results = _clean(run_cleanly(run(args), uv=True))
     print()
     print(report.table(results))
     args.out.parent.mkdir(parents=True, exist_ok=True)

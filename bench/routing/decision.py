@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.stack import run_cleanly
+
 MODEL = "bench-model"
 TARGET_P99_MS = 2.0
 
@@ -267,10 +269,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run and print the decision micro-benchmark."""
-    import uvloop
 
     args = parse_args(argv)
-    res = uvloop.run(run(args))
+    res = run_cleanly(run(args), uv=True)
     d = res["decision"]
     print(
         f"router decision ({res['config']['workers']} workers, {res['index']['entries']:,} index entries, "

@@ -17,7 +17,7 @@ from bench.soak.peer import ENGINE_SETTINGS, FERRY_VLLM_FLAGS, PEER, peer_path, 
 from bench.soak.phase import soak
 from bench.soak.report import plot, print_summary
 from bench.soak.sample import StampedLog
-from bench.stack import FerryStack
+from bench.stack import FerryStack, run_cleanly
 from bench.vllm.run import VLLM_ENV
 
 
@@ -170,13 +170,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the soak(s) and write the outputs; exit status 1 if Ferry missed a target."""
-    import uvloop
 
     args = parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for d in (args.profile_dir, peer_path(args.out, "-profiles")) if args.profile_at else ():
         d.mkdir(exist_ok=True)
-    docs = uvloop.run(run(args))
+    docs = run_cleanly(run(args), uv=True)
     for doc in docs.values():
         print_summary(doc)
         for name, prof in (doc.get("profiles") or {}).items():

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from bench.stack import FerryStack
+from bench.stack import FerryStack, run_cleanly
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -263,7 +263,7 @@ def main() -> None:
         p.error("--phase-s at most 45 (a run stays under 3 minutes)")
     started = time.time()
     load = [round(x, 1) for x in os.getloadavg()]
-    result = asyncio.run(run(args))
+    result = run_cleanly(run(args))
     commit = subprocess.run(
         ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()

@@ -32,7 +32,7 @@ from typing import Any
 
 from bench.overhead import PhaseResult, chat_body, machine_info, ms
 from bench.sse_client import Connection, StreamStats, stream_stats
-from bench.stack import FerryStack, tree_cpu_seconds
+from bench.stack import FerryStack, run_cleanly, tree_cpu_seconds
 from launch.services import Child, free_port
 from schemas.settings import DEFAULT_MODEL_NAME
 from workers.cpu_env import CPU_ENGINE_ENV
@@ -394,6 +394,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/vllm.json", help="where to write the JSON results")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
-    cells, machine = asyncio.run(amain(args, levels))
+    cells, machine = run_cleanly(amain(args, levels))
     finish(args, levels, cells, machine)
     return 0

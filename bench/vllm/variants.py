@@ -30,7 +30,7 @@ from bench.overhead import machine_info
 from bench.soak.load import make_body
 from bench.soak.peer import FERRY_VLLM_FLAGS, PEER_FLAGS
 from bench.sse_client import Connection, stream_stats
-from bench.stack import FerryStack, tree_cpu_seconds
+from bench.stack import FerryStack, run_cleanly, tree_cpu_seconds
 from bench.vllm.run import VLLM_ENV, start_vllm
 from schemas.settings import DEFAULT_MODEL_NAME
 
@@ -198,7 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the variants and write the results file."""
     args = parse_args(argv)
-    doc = asyncio.run(run(args))
+    doc = run_cleanly(run(args))
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0 if all(r["failed"] == 0 for r in doc["results"]) else 1
