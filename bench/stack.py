@@ -25,21 +25,34 @@ def run_cleanly(main: Coroutine[Any, Any, T], uv: bool = False) -> T:
     """`asyncio.run(main)` (`uvloop.run` with `uv`), with SIGTERM cancelling it as Ctrl-C does: the stacks and peers it started are
     stopped on the way out (their children run in sessions of their own, so a plain SIGTERM left them running)."""
 
+    terminated: list[bool] = []
+
     async def guarded() -> T:
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+
+        def terminate() -> None:
+            terminated.append(True)
+            task.cancel()
+
+        loop.add_signal_handler(signal.SIGTERM, terminate)
         try:
             return await main
         finally:
             loop.remove_signal_handler(signal.SIGTERM)
 
-    if uv:
-        import uvloop
+    try:
+        if uv:
+            import uvloop
 
-        return uvloop.run(guarded())
-    return asyncio.run(guarded())
+            return uvloop.run(guarded())
+        return asyncio.run(guarded())
+    except asyncio.CancelledError:
+        if not terminated:
+            raise
+        print("terminated (SIGTERM): what the benchmark started is stopped", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGTERM) from None
 
 
 def _stat_fields(pid: int) -> list[str] | None:
