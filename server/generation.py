@@ -7,6 +7,7 @@ import contextlib
 import logging
 import secrets
 import time
+import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -84,7 +85,8 @@ class Generation:
         self.id = request_id
         self.resumable = resumable
         self.mover = Mover(self, svc)
-        self.stream = ClientStream(request_id, on_lost=self.mover.lost, on_held=self._arrived)
+        # Weakly, as the Mover holds it: a stream holding its request would make every request a cycle.
+        self.stream = ClientStream(request_id, on_lost=self.mover.lost, on_held=_weakly(self._arrived))
         self.created = int(time.time())
         # When the request arrived (perf_counter): what TTFT and end-to-end latency count from.
         self.started_at = time.perf_counter() if arrived is None else arrived
@@ -441,3 +443,15 @@ class Generation:
         finally:
             self.resumable = False
             await self.close()
+
+
+def _weakly(method: Callable[[Sequence, Chunk], None]) -> Callable[[Sequence, Chunk], None]:
+    """`method`, without keeping its object alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(seq: Sequence, chunk: Chunk) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(seq, chunk)
+
+    return call

@@ -26,12 +26,14 @@ PROMPT = "Ferries cross the harbour every morning and carry commuters to the cit
 
 async def worker(wid: str, role: str, kv_role: str, store: Path, kafka: str, redis_url: str, prefix: str,
                  model_path: Path) -> Child:  # fmt: skip
-    """A vLLM worker process of `role`, its engine's connector in `kv_role` over `store`."""
+    """A vLLM worker process of `role`, its engine's connector in `kv_role` over `store`; heartbeats 2 s apart
+    (dead after 6 s): two engines prefilling beside the session's other workers starve a worker's loop of
+    the two cores for longer than the shared stack's 1.5 s."""
     connector = {"kv_connector": "ExampleConnector", "kv_role": kv_role,
                  "kv_connector_extra_config": {"shared_storage_path": str(store)}}  # fmt: skip
     argv = [sys.executable, "-m", "launch", "worker", "--engine", "vllm", "--role", role, "--worker-id", wid,
             "--block-size", "32", "--kafka", kafka, "--redis", redis_url, "--redis-prefix", prefix,
-            "--model-path", str(model_path), "--kv-cache-gib", "0.25", "--heartbeat-interval-s", "0.5",
+            "--model-path", str(model_path), "--kv-cache-gib", "0.25", "--heartbeat-interval-s", "2",
             "--max-loras", "0", "--log-level", "warning", "--", "--kv-transfer-config", json.dumps(connector)]  # fmt: skip
     child = await Child.spawn(wid, argv, echo=False)
     await child.wait_for_line(lambda line: line.startswith("ferry-worker-ready"), 240)
