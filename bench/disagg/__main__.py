@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.disagg.dynamo_pd import DynamoPD
+from bench.disagg.flow import decode_flow
 from bench.disagg.tiers import bounds, host_tier_verdicts, verdict_table
 from bench.routing.client import ReplayResult, replay
 from bench.routing.run import machine_info
@@ -121,6 +122,7 @@ def summary(r: ReplayResult, workers: int) -> dict[str, Any]:
         "cached_fraction": round(sum(x.cached_tokens for x in ok) / prompt, 4) if prompt else None,
         # Requests per (first) worker: an uneven spread shows up here, not in the percentiles.
         "per_worker": dict(sorted(Counter(x.worker or "?" for x in ok).items())),
+        **decode_flow(ok),
     }  # fmt: skip
 
 
@@ -130,16 +132,20 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     def f(x: float | None) -> str:
         return "-" if x is None else f"{x:.1f}"
 
+    def f2(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
     def pc(x: float | None) -> str:
         return "-" if x is None else f"{x:.1%}"
 
-    lines = ["| system | ok | cached | TTFT p50 | TTFT p90 | ITL p50 | ITL p90 | ITL p99 | 1st gap p50 | out tok/s/worker |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = ["| system | ok | cached | TTFT p50 | TTFT p90 | ITL p50 | ITL p90 | ITL p99 | 1st gap p50 | out tok/s/worker "
+             "| 1st-token CV | decoding at once |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, s in rows.items():
         lines.append(
             f"| {name} | {s['ok']}/{s['requests']} | {pc(s.get('cached_fraction'))} | {f(s['ttft_p50_ms'])} | {f(s['ttft_p90_ms'])} | "
             f"{f(s['itl_p50_ms'])} | {f(s['itl_p90_ms'])} | {f(s.get('itl_p99_ms'))} | {f(s.get('first_gap_p50_ms'))} | "
-            f"{f(s['output_tok_s_per_worker'])} |"
+            f"{f(s['output_tok_s_per_worker'])} | {f2(s.get('first_token_cv'))} | {f2(s.get('decoding_mean'))} |"
         )
     return "\n".join(lines)
 

@@ -7,7 +7,9 @@ import argparse
 import pytest
 
 from bench.disagg.__main__ import dynamo_knobs, ferry_flags, long_prompt_workload, pct, systems
+from bench.disagg.flow import decode_flow, decoding_at_once, first_token_cv
 from bench.disagg.tiers import bounds, gap_closed, host_tier_verdicts
+from bench.routing.client import RequestResult
 
 
 def test_long_prompt_workload_has_unrelated_prompts_of_the_asked_length() -> None:
@@ -86,3 +88,24 @@ def test_both_systems_get_the_same_step_budget() -> None:
     for flags in (ferry, dynamo):
         assert flags[flags.index("--max-num-batched-tokens") + 1] == "512"
     assert dynamo[dynamo.index("--num-gpu-blocks-override") + 1] == ferry[ferry.index("--num-blocks") + 1]
+
+
+def _result(first_at: float, decode_s: float, tokens: int = 5) -> RequestResult:
+    return RequestResult(
+        0, first_at - 0.5, 0.0, ok=True, ttft=0.5, itls=[decode_s / (tokens - 1)] * (tokens - 1)
+    )
+
+
+def test_decode_flow_tells_bursty_hand_offs_from_even_ones() -> None:
+    even = [_result(float(t), 1.5) for t in range(6)]  # one every second, 1.5 s of decoding each
+    assert first_token_cv(even) == pytest.approx(0.0)
+    # Over the 6.5 s from the first first token to the last last one: two at once for 0.5 s of each second
+    # after the first, one the rest.
+    assert decoding_at_once(even) == pytest.approx({1: 4.0 / 6.5, 2: 2.5 / 6.5})
+    bursty = [_result(t, 1.5) for t in (0.0, 0.1, 0.2, 3.0, 3.1, 3.2)]
+    cv = first_token_cv(bursty)
+    assert cv is not None and cv > 1.0  # burstier than Poisson
+    flow = decode_flow(bursty)
+    assert flow["decoding_mean"] > decode_flow(even)["decoding_mean"]  # type: ignore[operator]
+    assert decoding_at_once(bursty)[3] == pytest.approx(2.6 / 3.4)  # three at once most of the busy time
+    assert first_token_cv(even[:2]) is None and decode_flow([])["decoding_mean"] is None
