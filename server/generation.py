@@ -86,7 +86,7 @@ class Generation:
         self.resumable = resumable
         self.mover = Mover(self, svc)
         # Weakly, as the Mover holds it: a stream holding its request would make every request a cycle.
-        self.stream = ClientStream(request_id, on_lost=self.mover.lost, on_held=_weakly(self._arrived))
+        self.stream = ClientStream(request_id, on_lost=self.mover.lost, on_counted=_weakly(self._arrived))
         self.created = int(time.time())
         # When the request arrived (perf_counter): what TTFT and end-to-end latency count from.
         self.started_at = time.perf_counter() if arrived is None else arrived
@@ -287,7 +287,6 @@ class Generation:
                 self._observe_tokens(batch)
                 for seq, chunk in batch:
                     seq.decision.remaining -= len(chunk.token_ids)
-                    self._arrived(seq, chunk)
                     if chunk.error is not None:
                         self._failed = True
                         self.svc.metrics.errors.labels(self.model, chunk.error.code, "stream").inc()

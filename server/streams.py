@@ -126,9 +126,9 @@ class ClientStream:
     # Called when a sequence's attempt can no longer deliver (its worker died, a chunk never arrived, ...);
     # set by the owning Generation to its mover (server/migration.py). Without it, such a sequence fails.
     on_lost: Callable[[Sequence, Loss], None] | None = None
-    # Called with a chunk that counts but is held back from the client (`Sequence.hold_first`): what its
-    # arrival sets off (the hand-off to the decode worker) must not wait for its delivery.
-    on_held: Callable[[Sequence, Chunk], None] | None = None
+    # Called with every chunk that counts, as it counts: what its arrival sets off (its worker's prefill done,
+    # the hand-off to the decode worker) must not wait for its delivery, which a held chunk's does.
+    on_counted: Callable[[Sequence, Chunk], None] | None = None
 
     def put(self, chunk: Chunk) -> None:
         """Accept one chunk from Kafka; duplicates and chunks of superseded attempts are dropped."""
@@ -172,10 +172,10 @@ class ClientStream:
         if chunk.finish_reason is not None:
             seq.finished = True
         seq.progressed.set()
+        if self.on_counted is not None:
+            self.on_counted(seq, chunk)
         if seq.hold_first and chunk.attempt == 0 and chunk.seq == 0 and chunk.finish_reason is None:
             seq.held = chunk  # a disaggregated sequence's prefill token: it counts, and waits (above)
-            if self.on_held is not None:
-                self.on_held(seq, chunk)
             return
         self._items.append((seq, chunk))
         self._ready.set()

@@ -226,6 +226,11 @@ class Serving:
             chunk, att.first_chunk = att.first_chunk, None
             self._outbox.put(att.req, chunk)
 
+    def _ending(self, att: _Attempt, error: ErrorInfo | None = None) -> Chunk:
+        """The attempt's last chunk without output (aborted, or failed with `error`), after its hand-off's token."""
+        self._send_first(att)
+        return ending(att.req, att.seq, self._worker_id, error)
+
     def _on_output(self, att: _Attempt, out: EngineOutput) -> None:
         """One engine delta of an attempt: its chunk on the outbox, its figures in the metrics."""
         req, metrics = att.req, self._metrics
@@ -287,7 +292,7 @@ class Serving:
         me = asyncio.current_task()
         assert me is not None
         att = _Attempt(req, me, first_chunk)
-        wid, metrics = self._worker_id, self._metrics
+        metrics = self._metrics
         metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         try:
             if req.prefill_only or att.generated >= att.last_at:
@@ -297,16 +302,14 @@ class Serving:
                 await self._generate(att)
             if not att.finished:
                 # The engine ended the sequence without a reason: it was aborted (client cancel).
-                self._send_first(att)
-                self._outbox.put(req, ending(req, att.seq, wid))
+                self._outbox.put(req, self._ending(att))
                 metrics.requests.labels("aborted").inc()
             else:
                 # An engine that reports the abort itself (the sim engine does) ended it on a Cancel too.
                 metrics.requests.labels("aborted" if att.aborted else "finished").inc()
         except asyncio.CancelledError:
             if self._stop_error is not None:
-                self._send_first(att)
-                self._outbox.send_final_nowait(req, ending(req, att.seq, wid, self._stop_error))
+                self._outbox.send_final_nowait(req, self._ending(att, self._stop_error))
             metrics.requests.labels("cancelled").inc()
             raise
         except EngineDead as exc:
@@ -315,12 +318,10 @@ class Serving:
             self._on_fatal(exc)
             metrics.requests.labels("error").inc()
         except EngineError as exc:
-            self._send_first(att)
-            self._outbox.put(req, ending(req, att.seq, wid, ErrorInfo(exc.code, str(exc), exc.retriable)))
+            self._outbox.put(req, self._ending(att, ErrorInfo(exc.code, str(exc), exc.retriable)))
             metrics.requests.labels("error").inc()
         except Exception as exc:
             log.exception("request %s failed in the engine", req.request_id)
             error = ErrorInfo("internal_error", f"{type(exc).__name__}: {exc}", retriable=True)
-            self._send_first(att)
-            self._outbox.put(req, ending(req, att.seq, wid, error))
+            self._outbox.put(req, self._ending(att, error))
             metrics.requests.labels("error").inc()
