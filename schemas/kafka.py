@@ -6,7 +6,7 @@ the end, with defaults, so older messages still decode.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -61,6 +61,10 @@ class KVFrom(msgspec.Struct, frozen=True):
     # Leading prompt tokens whose KV that worker computed (the receiving engine takes it instead of computing
     # it): the whole prompt, in blocks of the model's block size, the last one possibly partial.
     tokens: int
+    # What the receiving engine's KV connector needs to fetch it, as the prefill engine's connector wrote it
+    # (vLLM's kv_transfer_params: NIXL's engine, host, port and block ids); opaque to Ferry. None where the
+    # connector finds the KV by itself (shared storage, the simulated link) or the frontend wrote the KVFrom.
+    connector: dict[str, Any] | None = None
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", omit_defaults=True, frozen=True):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -28,6 +28,9 @@ class EngineOutput(msgspec.Struct):
     # Seconds the sequence waited in the engine's queue before it was first scheduled; on the first
     # output, 0 if the engine does not know.
     queued_s: float = 0.0
+    # On a prefill-only sequence's final output: what a decode engine's KV connector needs to fetch the
+    # prompt's KV (KVFrom.connector), where the engine's connector says.
+    kv_transfer: dict[str, Any] | None = None
 
 
 class EngineStats(msgspec.Struct):

@@ -25,12 +25,12 @@ def build_engine(settings: WorkerSettings, engine_flags: Sequence[str] = ()) -> 
     if settings.engine == "vllm":
         if settings.role != "both" and not kv_connector_given(engine_flags):
             # The prompt's KV travels between the engines through vLLM's KV connector, which Ferry does not
-            # choose: on vLLM's CPU build only the example shared-storage one runs (docs/architecture.md).
+            # choose: on vLLM's CPU build NIXL and the example shared-storage one run (docs/architecture.md).
             raise ValueError(
                 f"--role {settings.role} with --engine vllm needs a KV connector between the engines: pass "
-                "vLLM's --kv-transfer-config after -- (on CPU: "
-                '\'{"kv_connector":"ExampleConnector","kv_role":"kv_both",'
-                '"kv_connector_extra_config":{"shared_storage_path":"/some/shared/dir"}}\')'
+                "vLLM's --kv-transfer-config after -- (for example "
+                '\'{"kv_connector":"NixlConnector","kv_role":"kv_producer"}\' on prefill workers and '
+                '"kv_consumer" on decode workers)'
             )
         # Imported only here: vLLM is an optional install and takes seconds to import.
         from workers.vllm_config import VLLMConfig

@@ -7,6 +7,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -206,14 +207,14 @@ class Serving:
             step = decode_s / (tokens - 1)
             self.step_s = step if not self.step_s else 0.8 * self.step_s + 0.2 * step
 
-    def _release(self, req: GenerateRequest, chunk: Chunk) -> None:
+    def _release(self, req: GenerateRequest, chunk: Chunk, connector: dict[str, Any] | None) -> None:
         """A prefill-only attempt's token: the decode worker's parked next attempt starts with it (decode-first
-        hand-off); sent ahead of the chunk to the frontend, which gets the token from either."""
+        hand-off), with what its engine's KV connector needs (`connector`); sent ahead of the chunk to the
+        frontend, which gets the token from either."""
         if not (req.release_to and req.prefill_only and chunk.token_ids and chunk.finish_reason is None):
             return
-        release = Release(
-            req.request_id, req.attempt + 1, chunk, KVFrom(self._worker_id, len(req.prompt_token_ids))
-        )
+        kv_from = KVFrom(self._worker_id, len(req.prompt_token_ids), connector)
+        release = Release(req.request_id, req.attempt + 1, chunk, kv_from)
         # Into the decode worker's current epoch (it created that topic ahead): its unrolled topic is never
         # trimmed on the embedded broker, and a record per disaggregated request would grow it for good.
         bells, to = self._bells, req.release_to
@@ -255,7 +256,7 @@ class Serving:
             metrics.cached_tokens.inc(out.cached_tokens)
         metrics.generated_tokens.inc(len(out.token_ids))
         chunk = chunk_of(req, att.seq, out, self._worker_id, usage)
-        self._release(req, chunk)
+        self._release(req, chunk, out.kv_transfer)
         self._outbox.put(req, chunk)
         att.seq += 1
 

@@ -49,6 +49,7 @@ from workers.lora import adapter_of
 from workers.model_dir import ModelInfo, load_model_info
 from workers.vllm_config import VLLMConfig, engine_args
 from workers.vllm_kv_reader import VLLMKVReader
+from workers.vllm_kv_transfer import kv_transfer_args, side_channel_port
 from workers.vllm_lora import Adapters
 from workers.vllm_outputs import engine_output, queued_seconds
 from workers.vllm_params import logit_fields, refusal, structured_outputs
@@ -100,6 +101,8 @@ class VLLMEngine(EngineLifecycle):
         self._vocab_size = 0
         # Whether vLLM schedules by priority (Ferry's default) or first come, first served (--scheduling-policy).
         self._priority = True
+        # The KV connector vLLM runs (--kv-transfer-config), "" for none: what P/D attempts tell it.
+        self._kv_connector = ""
         self.start_seconds = 0.0
         self._adapters = Adapters(model_name, self.config.lora_slots, self.config.max_lora_rank)
 
@@ -117,6 +120,9 @@ class VLLMEngine(EngineLifecycle):
         cpu_engine_env()
         self.kv_events_endpoint = self._kv_reader.start(self.config.kv_events_port)
         args = engine_args(self.config, self.model_path, self.model, self.kv_events_endpoint)
+        if args.kv_transfer_config is not None:
+            self._kv_connector = args.kv_transfer_config.kv_connector or ""
+            side_channel_port(self._kv_connector)
         loop = asyncio.get_running_loop()
         # Loading takes seconds and blocks; vLLM supports building AsyncLLM off the event loop.
         build = loop.run_in_executor(None, self._build, args)
@@ -313,6 +319,7 @@ class VLLMEngine(EngineLifecycle):
                 # Ferry's Detokenizer makes the text and finds stop strings (see the module docstring).
                 detokenize=False,
                 structured_outputs=structured,
+                extra_args=kv_transfer_args(request, self._kv_connector),
                 **logit_fields(request),
             )
         except (VLLMClientError, ValueError, TypeError) as e:

@@ -58,6 +58,8 @@ def engine_output(request: GenerateRequest, detok: Detokenizer, output: RequestO
         out.logprobs = [token_logprob(t, entry, k) for t, entry in pairs]
     if request.sampling.prompt_logprobs is not None and output.prompt_logprobs:
         out.prompt_logprobs = prompt_logprobs(output, request.sampling.prompt_logprobs)
+    if finish is not None:
+        out.kv_transfer = output.kv_transfer_params
     return out
 
 

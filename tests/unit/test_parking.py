@@ -128,9 +128,23 @@ async def test_a_release_goes_to_the_decode_workers_current_epoch_not_its_unroll
     now = 6_000.0
     serving = Serving(None, outbox, None, "p", lambda exc: None, RequestTopics(60.0, clock=lambda: now))  # type: ignore[arg-type]
     req = GenerateRequest("r.0", "m", [1, 2, 3], 20, "replies", prefill_only=True, release_to="d")
-    serving._release(req, Chunk("r.0", 0, token_ids=[7], text="x", worker_id="p"))
+    serving._release(req, Chunk("r.0", 0, token_ids=[7], text="x", worker_id="p"), None)
     [(topic, sent)] = outbox.sent
     assert topic == request_topic("d", 100) and (sent.request_id, sent.attempt) == ("r.0", 1)
+    assert sent.kv_from == KVFrom("p", 3)
+
+
+def test_the_prefill_engines_kv_descriptor_reaches_the_decode_attempt() -> None:
+    # NIXL's decode engine pulls the blocks the prefill engine names; only the release carries the names.
+    outbox = Outbox()
+    serving = Serving(None, outbox, None, "p", lambda exc: None, RequestTopics(60.0))  # type: ignore[arg-type]
+    req = GenerateRequest("r.0", "m", [1, 2, 3], 20, "replies", prefill_only=True, release_to="d")
+    descriptor = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[4]]}
+    serving._release(req, Chunk("r.0", 0, token_ids=[7], worker_id="p"), descriptor)
+    [(_, sent)] = outbox.sent
+    assert sent.kv_from == KVFrom("p", 3, descriptor)
+    run, _ = released(parked(), sent, "d")
+    assert run.kv_from is not None and run.kv_from.connector == descriptor
 
 
 def held_stream() -> tuple[ClientStream, Sequence]:

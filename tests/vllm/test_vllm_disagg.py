@@ -1,7 +1,8 @@
-"""Disaggregated prefill and decode with the real engine: vLLM's example shared-storage connector carries the
-prompt's KV from the prefill worker's engine to the decode worker's through files, the one KV connector that
-runs on vLLM's CPU build (docs/architecture.md, "KV tiers"). Ferry's part is the same as with the simulated
-engine: the placement, the prefill-only attempt, the release, the parked decode attempt."""
+"""Disaggregated prefill and decode with the real engine, through the two KV connectors that run on vLLM's CPU
+build (docs/architecture.md, "KV tiers"): the example shared-storage one carries the prompt's KV through files
+it finds by the prompt's tokens; NIXL pulls it from the prefill engine's memory, told where by the descriptor
+the prefill engine wrote, which Ferry carries in the release. Ferry's part is otherwise the same as with the
+simulated engine: the placement, the prefill-only attempt, the release, the parked decode attempt."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from launch.services import Child
+from launch.services import Child, free_port
 from schemas.settings import DEFAULT_MODEL_NAME as MODEL
 from tests.harness import harness, sse_events
 
@@ -24,20 +25,37 @@ pytestmark = pytest.mark.vllm
 PROMPT = "Ferries cross the harbour every morning and carry commuters to the city. " * 12
 
 
-async def worker(wid: str, role: str, kv_role: str, store: Path, kafka: str, redis_url: str, prefix: str,
-                 model_path: Path) -> Child:  # fmt: skip
-    """A vLLM worker process of `role`, its engine's connector in `kv_role` over `store`; heartbeats 2 s apart
-    (dead after 6 s): two engines prefilling beside the session's other workers starve a worker's loop of
-    the two cores for longer than the shared stack's 1.5 s."""
-    connector = {"kv_connector": "ExampleConnector", "kv_role": kv_role,
-                 "kv_connector_extra_config": {"shared_storage_path": str(store)}}  # fmt: skip
+def connector_config(kind: str, role: str, store: Path) -> dict[str, Any]:
+    """vLLM's --kv-transfer-config for a `role` worker's engine with connector `kind`."""
+    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    if kind == "nixl":
+        return {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
+    return {"kv_connector": "ExampleConnector", "kv_role": kv_role,
+            "kv_connector_extra_config": {"shared_storage_path": str(store)}}  # fmt: skip
+
+
+async def worker(wid: str, role: str, kind: str, store: Path, kafka: str, redis_url: str, prefix: str,
+                 model_path: Path) -> tuple[Child, str]:  # fmt: skip
+    """A vLLM worker process of `role`, its engine's connector of `kind`; heartbeats 2 s apart (dead after
+    6 s): two engines prefilling beside the session's other workers starve a worker's loop of the two cores
+    for longer than the shared stack's 1.5 s. With the URL of its /metrics."""
+    connector = connector_config(kind, role, store)
+    port = free_port()
     argv = [sys.executable, "-m", "launch", "worker", "--engine", "vllm", "--role", role, "--worker-id", wid,
             "--block-size", "32", "--kafka", kafka, "--redis", redis_url, "--redis-prefix", prefix,
             "--model-path", str(model_path), "--kv-cache-gib", "0.25", "--heartbeat-interval-s", "2",
-            "--max-loras", "0", "--log-level", "warning", "--", "--kv-transfer-config", json.dumps(connector)]  # fmt: skip
+            "--max-loras", "0", "--log-level", "warning", "--metrics-port", str(port), "--", "--kv-transfer-config", json.dumps(connector)]  # fmt: skip
     child = await Child.spawn(wid, argv, echo=False)
     await child.wait_for_line(lambda line: line.startswith("ferry-worker-ready"), 240)
-    return child
+    return child, f"http://127.0.0.1:{port}/metrics"
+
+
+async def connector_hits(metrics_url: str) -> float:
+    """Prompt tokens the worker's engine loaded through its KV connector (vLLM's own counter)."""
+    async with httpx.AsyncClient(timeout=10) as c:
+        text = (await c.get(metrics_url)).text
+    name = "vllm:external_prefix_cache_hits_total"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 async def read(url: str, body: dict[str, Any]) -> tuple[httpx.Headers, str, dict[str, Any]]:
@@ -53,16 +71,18 @@ async def read(url: str, body: dict[str, Any]) -> tuple[httpx.Headers, str, dict
     return r.headers, text, events[-1]["usage"]
 
 
+@pytest.mark.parametrize("kind", ["example", "nixl"])
 async def test_a_prompt_prefilled_on_one_vllm_engine_is_decoded_on_another_from_its_kv(
-    kafka: str, redis_url: str, model_path: Path, tmp_path: Path
+    kind: str, kafka: str, redis_url: str, model_path: Path, tmp_path: Path
 ) -> None:
     prefix = f"pd{uuid.uuid4().hex[:8]}:"
     async with harness(kafka, redis_url, prefix, model_path) as h:
         args = (tmp_path, kafka, redis_url, prefix, model_path)
-        children = await asyncio.gather(
-            worker("pd-prefill", "prefill", "kv_producer", *args),
-            worker("pd-decode", "decode", "kv_consumer", *args),
+        (_, _), (_, decode_metrics) = started = await asyncio.gather(
+            worker("pd-prefill", "prefill", kind, *args),
+            worker("pd-decode", "decode", kind, *args),
         )
+        children = [child for child, _ in started]
         try:
             _, url = await h.add_frontend()
             body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True,
@@ -74,10 +94,15 @@ async def test_a_prompt_prefilled_on_one_vllm_engine_is_decoded_on_another_from_
                 "pd-decode",
             )
             assert usage["completion_tokens"] == 12
-            # The prefill worker's engine wrote the prompt's KV; the decode worker's loaded it instead of
-            # computing it (vLLM counts connector-loaded tokens as cached), up to its last whole block.
-            assert await asyncio.to_thread(lambda: any(tmp_path.iterdir()))
-            assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 32
+            # The prefill worker's engine wrote (or kept) the prompt's KV; the decode worker's loaded it through
+            # its connector instead of computing it, up to its last whole block. NIXL loads nothing without the
+            # prefill engine's descriptor, which only the release carries.
+            assert await connector_hits(decode_metrics) >= usage["prompt_tokens"] - 32
+            if kind == "example":
+                assert await asyncio.to_thread(lambda: any(tmp_path.iterdir()))
+                # vLLM counts what this connector loads (synchronously) as cached; NIXL's asynchronous
+                # load comes after the count, as with vLLM's own server.
+                assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 32
             # The same text as one engine computing it all: greedy decoding from the same KV.
             _, local_url = await h.add_frontend(disagg_min_uncached_tokens=1_000_000)
             local_headers, reference, _ = await read(local_url, {**body, "prompt": PROMPT})

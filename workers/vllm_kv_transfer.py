@@ -1,0 +1,47 @@
+"""What Ferry's prefill and decode attempts tell vLLM's KV connector, and what the connector tells back.
+
+A connector that pulls the prompt's KV from the prefill engine (NIXL) needs a descriptor only that engine can
+write: which engine, where to reach it, which blocks. vLLM's own P/D proxy passes it by hand; in Ferry it
+rides the prefill worker's `Release` to the decode worker as `KVFrom.connector` (opaque to Ferry):
+
+- a prefill-only attempt asks its engine to keep the prompt's blocks for a remote decode
+  (`{"do_remote_decode": true}`), and the engine's final output answers with the descriptor;
+- the decode attempt hands the descriptor back to its own engine, whose connector pulls the blocks.
+
+A connector that needs none (the example shared-storage one finds the KV by the prompt's tokens) answers
+nothing, and a decode attempt without a descriptor (the frontend's own hand-over, after the decode worker it
+chose was lost) computes the prompt itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from schemas.kafka import GenerateRequest
+
+# Each NIXL engine listens on this side channel for its peers' handshakes; vLLM's default (5600) is one port
+# per host, so two workers on one host would collide.
+NIXL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+NIXL_CONNECTORS = frozenset({"NixlConnector"})
+
+
+def kv_transfer_args(request: GenerateRequest, connector: str) -> dict[str, Any] | None:
+    """SamplingParams.extra_args for `request` on an engine whose KV connector is `connector` ("" for none)."""
+    if not connector:
+        return None
+    if request.kv_from is not None and request.kv_from.connector is not None:
+        return {"kv_transfer_params": dict(request.kv_from.connector)}
+    if request.prefill_only:
+        return {"kv_transfer_params": {"do_remote_decode": True}}
+    return None
+
+
+def side_channel_port(connector: str) -> None:
+    """Give a NIXL engine a side-channel port of its own, unless the operator chose one."""
+    if connector in NIXL_CONNECTORS and NIXL_PORT_ENV not in os.environ:
+        # Free on every interface, whichever the operator's VLLM_NIXL_SIDE_CHANNEL_HOST names.
+        with socket.socket() as s:
+            s.bind(("", 0))
+            os.environ[NIXL_PORT_ENV] = str(s.getsockname()[1])
