@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import random
+import shlex
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -76,7 +77,7 @@ def systems(
 def ferry_flags(args: argparse.Namespace) -> list[str]:
     """The `ferry up` flags every Ferry system of a run shares."""
     return ["--num-blocks", str(args.num_blocks), "--disagg-min-uncached-tokens", str(args.min_uncached),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens), *shlex.split(args.ferry_args)]  # fmt: skip
 
 
 def dynamo_knobs(args: argparse.Namespace, kv_bytes_per_token: int) -> list[str]:
@@ -255,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="host tier sizes in blocks per worker, comma-separated: every Ferry system once per size (0: off)")  # fmt: skip
     p.add_argument("--no-aggregated", action="store_true", help="only the disaggregated systems")
     p.add_argument("--min-uncached-tokens", dest="min_uncached", type=int, default=0)
+    p.add_argument(
+        "--ferry-args", default="", help='more `ferry up` flags for every Ferry system, e.g. "--overlap-weight 2"'
+    )
     p.add_argument("--settle-seconds", type=float, default=2.0)
     p.add_argument("--deadline-s", type=float, default=300.0)
     p.add_argument("--model-name", default="SmolLM2-135M-Instruct")
