@@ -100,12 +100,22 @@ def test_frontend_and_planner_commands_parse() -> None:
     assert role["rules"][0]["resources"] == ["deployments/scale"]
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed (it renders kustomize)")
-def test_kustomize_renders() -> None:
+needs_kubectl = pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl is not installed (it renders kustomize)"
+)
+
+
+def kustomize(root: Path) -> list[dict[str, Any]]:
+    """The manifests `kubectl kustomize` renders from `root`."""
     out = subprocess.run(
-        ["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60, check=True
+        ["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60, check=True
     ).stdout
-    rendered = [d for d in yaml.safe_load_all(out) if d]
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+@needs_kubectl
+def test_kustomize_renders() -> None:
+    rendered = kustomize(K8S)
     kinds = {d["kind"] for d in rendered}
     assert {"Deployment", "Service", "ScaledObject", "ConfigMap", "Namespace"} <= kinds
     assert all(d["metadata"].get("namespace") == "ferry" for d in rendered if d["kind"] != "Namespace")
@@ -162,12 +172,9 @@ def test_each_pool_has_a_planner_that_may_scale_it(role: str) -> None:
     assert f"ferry-{role}" in role_doc["rules"][0]["resourceNames"]
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed (it renders kustomize)")
+@needs_kubectl
 def test_disagg_overlay_replaces_the_aggregated_pool() -> None:
-    out = subprocess.run(
-        ["kubectl", "kustomize", str(DISAGG)], capture_output=True, text=True, timeout=60, check=True
-    ).stdout
-    rendered = [d for d in yaml.safe_load_all(out) if d]
+    rendered = kustomize(DISAGG)
     names = {(d["kind"], d["metadata"]["name"]) for d in rendered}
     assert {("Deployment", "ferry-prefill"), ("Deployment", "ferry-decode"), ("Deployment", "ferry-frontend")} <= names
     assert not {("Deployment", "ferry-worker"), ("ScaledObject", "ferry-worker"), ("Deployment", "ferry-planner")} & names
