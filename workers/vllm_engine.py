@@ -49,7 +49,7 @@ from workers.lora import adapter_of
 from workers.model_dir import ModelInfo, load_model_info
 from workers.vllm_config import VLLMConfig, engine_args
 from workers.vllm_kv_reader import VLLMKVReader
-from workers.vllm_kv_transfer import kv_transfer_args, side_channel_port
+from workers.vllm_kv_transfer import kv_transfer_args, prepare_connector
 from workers.vllm_lora import Adapters
 from workers.vllm_outputs import engine_output, queued_seconds
 from workers.vllm_params import logit_fields, refusal, structured_outputs
@@ -121,8 +121,7 @@ class VLLMEngine(EngineLifecycle):
         self.kv_events_endpoint = self._kv_reader.start(self.config.kv_events_port)
         args = engine_args(self.config, self.model_path, self.model, self.kv_events_endpoint)
         if args.kv_transfer_config is not None:
-            self._kv_connector = args.kv_transfer_config.kv_connector or ""
-            side_channel_port(self._kv_connector)
+            self._kv_connector = prepare_connector(args.kv_transfer_config, self.config.engine_flags)
         loop = asyncio.get_running_loop()
         # Loading takes seconds and blocks; vLLM supports building AsyncLLM off the event loop.
         build = loop.run_in_executor(None, self._build, args)

@@ -10,14 +10,17 @@ rides the prefill worker's `Release` to the decode worker as `KVFrom.connector` 
 
 A connector that needs none (the example shared-storage one finds the KV by the prompt's tokens) answers
 nothing, and a decode attempt without a descriptor (the frontend's own hand-over, after the decode worker it
-chose was lost) computes the prompt itself.
+chose was lost) computes the prompt itself. So does one whose pull fails (the prefill worker was lost after
+its release): vLLM would fail the request (its `kv_load_failure_policy` "fail"); Ferry's default is
+"recompute", unless the operator's --kv-transfer-config names a policy.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from schemas.kafka import GenerateRequest
 
@@ -25,6 +28,22 @@ from schemas.kafka import GenerateRequest
 # per host, so two workers on one host would collide.
 NIXL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 NIXL_CONNECTORS = frozenset({"NixlConnector"})
+
+
+class ConnectorConfig(Protocol):
+    """What Ferry reads and sets of vLLM's KVTransferConfig."""
+
+    kv_connector: str | None
+    kv_load_failure_policy: Any
+
+
+def prepare_connector(config: ConnectorConfig, engine_flags: Sequence[str]) -> str:
+    """Ready the engine's KV connector for P/D attempts (a side-channel port, the failure policy); its name."""
+    if not any("kv_load_failure_policy" in flag for flag in engine_flags):
+        config.kv_load_failure_policy = "recompute"
+    connector = config.kv_connector or ""
+    side_channel_port(connector)
+    return connector
 
 
 def kv_transfer_args(request: GenerateRequest, connector: str) -> dict[str, Any] | None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 from schemas.kafka import GenerateRequest, KVFrom
-from workers.vllm_kv_transfer import NIXL_PORT_ENV, kv_transfer_args, side_channel_port
+from workers.vllm_kv_transfer import NIXL_PORT_ENV, kv_transfer_args, prepare_connector, side_channel_port
 
 DESCRIPTOR = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[1, 2]]}
 
@@ -54,3 +56,24 @@ def test_each_nixl_engine_gets_a_side_channel_port_unless_the_operator_chose_one
     monkeypatch.setenv(NIXL_PORT_ENV, "5601")
     side_channel_port("NixlConnector")
     assert os.environ[NIXL_PORT_ENV] == "5601"
+
+
+@dataclass
+class Config:
+    """The fields of vLLM's KVTransferConfig that Ferry reads and sets."""
+
+    kv_connector: str | None
+    kv_load_failure_policy: Any = "fail"  # vLLM's default
+
+
+def test_a_failed_kv_load_is_recomputed_unless_the_operator_chose_a_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(NIXL_PORT_ENV, "5601")  # (prepare_connector picks a port only where none is set)
+    flags = ["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}']
+    config = Config("NixlConnector")
+    assert prepare_connector(config, flags) == "NixlConnector"
+    assert config.kv_load_failure_policy == "recompute"
+    chosen = ["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_load_failure_policy": "fail"}']
+    config = Config("NixlConnector")
+    prepare_connector(config, chosen)
+    assert config.kv_load_failure_policy == "fail"
+    assert prepare_connector(Config(None), []) == ""

@@ -17,8 +17,12 @@ import httpx
 import pytest
 
 from launch.services import Child, free_port
+from schemas.kafka import GenerateRequest, KVFrom, SamplingParams
 from schemas.settings import DEFAULT_MODEL_NAME as MODEL
 from tests.harness import harness, sse_events
+from workers.model_dir import load_model_info
+from workers.vllm_config import VLLMConfig
+from workers.vllm_engine import VLLMEngine
 
 pytestmark = pytest.mark.vllm
 
@@ -110,3 +114,29 @@ async def test_a_prompt_prefilled_on_one_vllm_engine_is_decoded_on_another_from_
             assert text == reference
         finally:
             await asyncio.gather(*(c.stop(30) for c in children))
+
+
+async def test_a_decode_engine_that_cannot_reach_the_prefill_engine_computes_the_prompt(
+    model_path: Path, tmp_path: Path
+) -> None:
+    # The prefill worker was lost after its release: the descriptor names an engine nobody answers for. vLLM
+    # alone would fail the request; Ferry's decode engine recomputes the prompt (after NIXL's handshake times out).
+    flags = ("--kv-transfer-config", json.dumps(connector_config("nixl", "decode", tmp_path)))
+    engine = VLLMEngine(MODEL, model_path, VLLMConfig(kv_cache_gib=0.25, engine_flags=flags))
+    await engine.start()
+    try:
+        prompt = load_model_info(model_path).tokenizer.encode(PROMPT).ids
+        gone = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3, 4, 5, 6]],
+                "remote_engine_id": "gone", "remote_request_id": "gone-1", "remote_host": "127.0.0.1",
+                "remote_port": free_port(), "tp_size": 1, "remote_num_tokens": len(prompt)}  # fmt: skip
+
+        async def text(rid: str, kv_from: KVFrom | None) -> tuple[str, str | None]:
+            req = GenerateRequest(rid, MODEL, prompt, 8, "unused", SamplingParams(temperature=0.0), kv_from=kv_from)
+            outs = [o async for o in engine.generate(req)]
+            return "".join(o.text for o in outs), outs[-1].finish_reason
+
+        lost = await text("lost", KVFrom("gone", len(prompt), gone))
+        assert lost == await text("local", None)
+        assert lost[1] == "length"
+    finally:
+        await engine.stop()
