@@ -24,6 +24,7 @@ from schemas.ops_settings import PlannerPolicySettings, StackSettings
 from schemas.settings import ENV_PREFIX, FrontendSettings, WorkerSettings
 from server.tenants import TenantsError, configured_tenants
 from workers.engine_choice import kv_connector_given
+from workers.vllm_kv_transfer import NIXL_CONNECTORS, NIXL_PORT_ENV
 
 log = logging.getLogger("ferry.stack")
 
@@ -113,6 +114,13 @@ def load_stack(argv: Sequence[str] | None = None) -> Stack:
         raise SystemExit(
             "ferry up: vLLM prefill and decode workers need a KV connector between their engines: pass vLLM's "
             "--kv-transfer-config after -- (docs/architecture.md, \"Disaggregated prefill and decode\")"
+        )
+    nixl = any(name in flag for flag in engine_flags for name in NIXL_CONNECTORS)
+    if worker.engine == "vllm" and nixl and settings.workers + pools > 1 and NIXL_PORT_ENV in os.environ:
+        # Each worker picks a free side-channel port unless this is set; set for all, they would collide.
+        raise SystemExit(
+            f"ferry up: {NIXL_PORT_ENV} gives every NIXL engine on this host the same side-channel port: unset "
+            "it, and each worker picks a free one"
         )
     if settings.autoscale and not planner.min_workers <= settings.workers <= planner.max_workers:
         raise SystemExit(

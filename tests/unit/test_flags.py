@@ -128,6 +128,17 @@ def test_ferry_up_starts_prefill_and_decode_pools_with_their_roles() -> None:
     assert argv[-2:] == ["--kv-transfer-config", connector]
 
 
+def test_ferry_up_refuses_one_nixl_side_channel_port_for_several_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    nixl = ["--", "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}']
+    pools = ["--engine", "vllm", "--workers", "0", "--prefill-workers", "1", "--decode-workers", "1", *nixl]
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_PORT", raising=False)
+    load_stack(pools)  # each worker picks its own port
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")
+    with pytest.raises(SystemExit, match="VLLM_NIXL_SIDE_CHANNEL_PORT"):
+        load_stack(pools)
+    load_stack(["--engine", "vllm", "--workers", "1", *nixl])  # one engine: no one to collide with
+
+
 def test_ferry_up_has_no_per_child_id() -> None:
     with pytest.raises(SystemExit):
         load_stack(["--worker-id", "w1"])
