@@ -169,7 +169,9 @@ async def test_wait_queue_depth_counts_requests_waiting_for_a_worker(h: Harness)
     fe, url = await h.add_frontend(busy_waiting=1, busy_wait_s=30.0)
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
         started = asyncio.Event()
-        running = asyncio.create_task(stream(c, body(80), started))
+        # Long enough (~2 s of 1-sequence steps) that the queued request waits in the engine across several
+        # heartbeats (0.5 s apart): at 80 tokens it waited ~0.5 s, and a heartbeat could miss it.
+        running = asyncio.create_task(stream(c, body(400), started))
         await started.wait()
         queued = asyncio.create_task(stream(c, body(2, "queued in the engine")))
         await until(lambda: _engine_waiting(fe), 10)
