@@ -22,9 +22,9 @@ T = TypeVar("T")
 
 
 def run_cleanly(main: Coroutine[Any, Any, T], uv: bool = False) -> T:
-    """`asyncio.run(main)` (`uvloop.run` with `uv`), with SIGTERM cancelling it as Ctrl-C does: the stacks and peers it started are
-    stopped on the way out (their children run in sessions of their own, so a plain SIGTERM left them running)."""
-
+    """`asyncio.run(main)` (`uvloop.run` with `uv`), with SIGTERM cancelling it as Ctrl-C does: the stacks and
+    peers it started are stopped on the way out (their children run in sessions of their own, so a plain SIGTERM
+    left them running)."""
     terminated: list[bool] = []
 
     async def guarded() -> T:

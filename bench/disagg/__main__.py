@@ -130,11 +130,8 @@ def summary(r: ReplayResult, workers: int) -> dict[str, Any]:
 def table(rows: dict[str, dict[str, Any]]) -> str:
     """The results as a Markdown table."""
 
-    def f(x: float | None) -> str:
-        return "-" if x is None else f"{x:.1f}"
-
-    def f2(x: float | None) -> str:
-        return "-" if x is None else f"{x:.2f}"
+    def f(x: float | None, digits: int = 1) -> str:
+        return "-" if x is None else f"{x:.{digits}f}"
 
     def pc(x: float | None) -> str:
         return "-" if x is None else f"{x:.1%}"
@@ -146,7 +143,7 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"| {name} | {s['ok']}/{s['requests']} | {pc(s.get('cached_fraction'))} | {f(s['ttft_p50_ms'])} | {f(s['ttft_p90_ms'])} | "
             f"{f(s['itl_p50_ms'])} | {f(s['itl_p90_ms'])} | {f(s.get('itl_p99_ms'))} | {f(s.get('first_gap_p50_ms'))} | "
-            f"{f(s['output_tok_s_per_worker'])} | {f2(s.get('first_token_cv'))} | {f2(s.get('decoding_mean'))} |"
+            f"{f(s['output_tok_s_per_worker'])} | {f(s.get('first_token_cv'), 2)} | {f(s.get('decoding_mean'), 2)} |"
         )
     return "\n".join(lines)
 

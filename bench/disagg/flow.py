@@ -13,10 +13,15 @@ from collections.abc import Sequence
 from bench.routing.client import RequestResult
 
 
+def _first_token_at(x: RequestResult) -> float:
+    """When the client had the request's first token, in seconds from the start of the run."""
+    return x.scheduled + x.lateness + x.ttft
+
+
 def first_token_cv(results: Sequence[RequestResult]) -> float | None:
     """Coefficient of variation of the spacing between consecutive first tokens (1 for Poisson arrivals, 0 for
     evenly spaced ones); None below three first tokens."""
-    firsts = sorted(x.scheduled + x.lateness + x.ttft for x in results if x.ok and not math.isnan(x.ttft))
+    firsts = sorted(_first_token_at(x) for x in results if x.ok and not math.isnan(x.ttft))
     gaps = [b - a for a, b in itertools.pairwise(firsts)]
     if len(gaps) < 2 or statistics.fmean(gaps) == 0:
         return None
@@ -28,7 +33,7 @@ def decoding_at_once(results: Sequence[RequestResult]) -> dict[int, float]:
     edges: list[tuple[float, int]] = []
     for x in results:
         if x.ok and not math.isnan(x.ttft) and x.itls:
-            first = x.scheduled + x.lateness + x.ttft
+            first = _first_token_at(x)
             edges += [(first, 1), (first + sum(x.itls), -1)]
     edges.sort()
     spent: dict[int, float] = {}

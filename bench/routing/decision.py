@@ -269,7 +269,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run and print the decision micro-benchmark."""
-
     args = parse_args(argv)
     res = run_cleanly(run(args), uv=True)
     d = res["decision"]

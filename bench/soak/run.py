@@ -170,7 +170,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the soak(s) and write the outputs; exit status 1 if Ferry missed a target."""
-
     args = parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for d in (args.profile_dir, peer_path(args.out, "-profiles")) if args.profile_at else ():
