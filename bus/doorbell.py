@@ -6,9 +6,11 @@ a core busy between the broker and themselves. With a doorbell a reader that has
 instead (`Reader`, `Hooks.may_sleep`): a writer rings once the broker has acknowledged its record, so the
 fetch the woken reader sends at once finds it. A frontend rings its own replies reader when it opens a
 stream; rings between processes travel over Redis pub/sub (kvstore/bells.py: a worker's requests, written
-by frontends and prefill workers). A ring that never comes (Redis away, a writer that does not ring) costs
-at most the reader's poll timeout: a sleeping reader fetches then anyway, and a bell that cannot be rung
-(`armed` false: its subscription is down) lets the reader poll.
+by frontends and prefill workers). Between an open stream's records the replies reader sleeps too, having
+told the workers where it stopped (`Hooks.before_sleep`): they ring it for a record past that offset
+(workers/reply_bells.py). A ring that never comes (Redis away, a writer that does not ring) costs at most
+the reader's poll timeout: a sleeping reader fetches then anyway, and a bell that cannot be rung (`armed`
+false: its subscription is down) lets the reader poll.
 """
 
 from __future__ import annotations

@@ -84,6 +84,10 @@ class Options:
 
     fetch_wait_ms: int = 100
     poll: Poll = Poll()
+    # (a Reader with a doorbell) How long it polls without records before it sleeps: a few fetches at the short
+    # fetch wait of the token path, so what a just-ended fetch missed (broker quirk "late wake-up") is read
+    # before the reader depends on a ring that a writer sends only for records it wrote after the sleep began.
+    linger_ms: int = 20
     # Check every idle poll for a log the broker lost, and read it again from the start (LogResetWatch).
     watch_reset: bool = False
     # Commit the consumer's positions after every poll that brought records (the handler has them by then).
@@ -158,3 +162,5 @@ class Hooks(Generic[T]):
     closing: Callable[[], Awaitable[None]] | None = None
     # (a Reader with a doorbell) Whether the reader may sleep now, after a poll without records; None: always.
     may_sleep: Callable[[], bool] | None = None
+    # (a Reader with a doorbell) Just before it sleeps: tell whoever rings it where it stopped reading.
+    before_sleep: Callable[[], Awaitable[None]] | None = None

@@ -44,10 +44,6 @@ LOOKUP_POLL_MS = 500
 # compaction and transaction markers make holes that stay, and a reader must never stall on one.
 GAP_TRIES = 3
 
-# How long a reader with a doorbell polls without records before it sleeps: a few fetches at the short
-# fetch wait of the token path, so what a just-ended fetch missed (broker quirk "late wake-up") is read
-# before the reader depends on a ring.
-LINGER_MS = 20
 
 _DEFAULT_OPTIONS = Options()
 
@@ -329,12 +325,14 @@ class Reader(Generic[T]):
             # The last poll brought nothing: sleep out the rest of its poll timeout, then poll (also when
             # woken by `finish`, so a last poll reads what arrived meanwhile).
             last = self._last_poll_ms
-            await self._sleep(consumer, (last - min(last, LINGER_MS)) / 1000)
+            if hooks.before_sleep is not None:
+                await hooks.before_sleep()
+            await self._sleep(consumer, (last - min(last, self._options.linger_ms)) / 1000)
         if hooks.before_poll is not None:
             poll = await hooks.before_poll() or poll
         # A reader that may sleep polls briefly, and sleeps at the start of the next round if nothing came.
         sleepy = self._may_sleep(hooks, stretch)
-        timeout_ms = min(poll.timeout_ms, LINGER_MS) if sleepy else poll.timeout_ms
+        timeout_ms = min(poll.timeout_ms, self._options.linger_ms) if sleepy else poll.timeout_ms
         self._last_poll_ms = poll.timeout_ms
         fetched = await consumer.getmany(timeout_ms=timeout_ms, max_records=poll.max_records)
         await stretch.after_poll(bool(fetched))

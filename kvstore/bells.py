@@ -1,14 +1,17 @@
-"""Doorbells rung over Redis pub/sub: `Bells` rings a worker's inbox, `BellSubscription` hears its rings.
+"""Doorbells rung over Redis pub/sub: `Bells` rings a reader, `BellSubscription` hears its rings.
 
 A worker's inbox sleeps while idle (bus/doorbell.py); whoever writes to its requests topic rings it on the
-channel `<prefix>bell:<worker_id>` once the broker has acknowledged the record. Rings are best effort: one
-that Redis does not take is logged once and costs the sleeping inbox at most its fallback poll.
+channel `<prefix>bell:<worker_id>` once the broker has acknowledged the record. A frontend's replies reader
+sleeps between a stream's tokens and is rung on `<prefix>rbell:<frontend_id>` by the workers it announced
+its sleep to (workers/reply_bells.py). Rings are best effort: one that Redis does not take is logged once
+and costs the sleeping reader at most its fallback poll.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import redis.asyncio as aioredis
@@ -47,17 +50,20 @@ class Bells:
 
     async def ring(self, worker_id: str) -> None:
         """Wake `worker_id`'s inbox; a ring Redis does not take is logged once (the inbox polls it anyway)."""
-        channel = self._keys.bell(worker_id)
+        await self.publish(self._keys.bell(worker_id))
+
+    async def publish(self, channel: str, message: bytes = b"") -> None:
+        """Publish `message` on `channel` (a ring, or a sleeping reader's notice); failures are logged once."""
         try:
             try:
-                await self._redis.publish(channel, b"")
+                await self._redis.publish(channel, message)
             except (RedisConnectionError, OSError):
                 # A pooled connection that a restarted Redis closed fails its next command, and this ring would
-                # cost a sleeping inbox its whole fallback poll: once more, on a connection made afresh.
-                await self._redis.publish(channel, b"")
+                # cost a sleeping reader its whole fallback poll: once more, on a connection made afresh.
+                await self._redis.publish(channel, message)
         except (RedisError, OSError) as exc:
             if not self._failing:
-                log.warning("could not ring doorbells (%r); idle workers read requests at their next poll", exc)
+                log.warning("could not ring doorbells (%r); sleeping readers read at their next poll", exc)
                 self._failing = True
             return
         if self._failing:
@@ -66,7 +72,11 @@ class Bells:
 
     def ring_soon(self, worker_id: str) -> None:
         """`ring` without waiting for it (from a delivery report, or off a request's path): in a task of its own."""
-        task = asyncio.get_running_loop().create_task(self.ring(worker_id))
+        self.publish_soon(self._keys.bell(worker_id))
+
+    def publish_soon(self, channel: str, message: bytes = b"") -> None:
+        """`publish` without waiting for it, in a task of its own."""
+        task = asyncio.get_running_loop().create_task(self.publish(channel, message))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
@@ -77,9 +87,18 @@ class BellSubscription:
     Rings published while unsubscribed are lost, so the first moment subscribed again counts as a ring.
     """
 
-    def __init__(self, url: str, channel: str, name: str, bell: Ringable) -> None:
+    def __init__(
+        self,
+        url: str,
+        channel: str,
+        name: str,
+        bell: Ringable,
+        notices: dict[str, Callable[[bytes], None]] | None = None,
+    ) -> None:
         self._url = url
         self._channel = channel
+        # Other channels heard on the same connection: each message's payload goes to its channel's handler.
+        self._notices = {c.encode(): h for c, h in (notices or {}).items()}
         self._name = name
         self._bell = bell
         bell.armed = False
@@ -109,15 +128,22 @@ class BellSubscription:
             client: aioredis.Redis = redis_client(self._url)
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(self._channel)
+                await pubsub.subscribe(self._channel, *self._notices)
                 bell.armed = True
                 bell.ring()  # rings published while unsubscribed were lost
                 if lost:
                     log.info("%s: doorbell subscribed again; the reader sleeps while idle", self._name)
                     lost = False
                 backoff = RESUBSCRIBE_S[0]
+                notices = self._notices
                 while True:
-                    if await pubsub.get_message(ignore_subscribe_messages=True, timeout=LISTEN_S) is not None:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=LISTEN_S)
+                    if message is None:
+                        continue
+                    handler = notices.get(message["channel"]) if notices else None
+                    if handler is not None:
+                        handler(message["data"])
+                    else:
                         self.rings += 1
                         bell.ring()
             except (RedisError, OSError) as exc:

@@ -129,6 +129,14 @@ class RedisKeys:
         """Pub/sub channel that rings one worker's inbox awake (bus/doorbell.py)."""
         return f"{self.prefix}bell:{worker_id}"
 
+    def replies_bell(self, frontend_id: str) -> str:
+        """Pub/sub channel that rings one frontend's replies reader awake (workers/reply_bells.py)."""
+        return f"{self.prefix}rbell:{frontend_id}"
+
+    def replies_asleep(self) -> str:
+        """Pub/sub channel every worker hears: a frontend's replies reader went to sleep (schemas/bells.py)."""
+        return f"{self.prefix}asleep"
+
     def frontends(self) -> str:
         """Set of frontend ids that publish router load."""
         return f"{self.prefix}frontends"

@@ -34,6 +34,7 @@ from server.migration import Migrations
 from server.model_files import ModelFiles
 from server.pool import WorkerPool
 from server.preprocess import Preprocessor
+from server.reply_bell import RepliesBell
 from server.router import Router
 from server.templates import chat_template_text
 
@@ -144,15 +145,17 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
     index = KVIndex(redis, keys)
     board = LoadBoard(redis, keys)
     router = Router(s, metrics, index)
+    bells = Bells(redis, keys) if s.doorbell else None
     demux = ReplyDemux(
         s.kafka, reply_topic(s.frontend_id), s.kafka_fetch_wait_ms,
         roll_records=s.replies_roll_records, retain_s=s.resume_ttl_s, metrics=metrics,
         configs=retention(2 * s.resume_ttl_s, s.kafka_retention_bytes), doorbell=s.doorbell,
+        workers_bell=None if bells is None else RepliesBell(s.redis, keys, s.frontend_id, bells),
     )  # fmt: skip
     producer = TrackingProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
     short = retention(s.kafka_request_retention_s, s.kafka_retention_bytes)  # request and admin topics
-    bells = Bells(redis, keys) if s.doorbell else None
     dispatcher = Dispatcher(producer, s.kafka_timeout_s, metrics, RequestTopics(s.request_roll_s), short, s.kafka, bells)
+    dispatcher.on_note = demux.wake
     background = Background()
     # Where a lost worker or a lost replies log is answered (server/migration.py).
     migrations = Migrations(

@@ -33,6 +33,7 @@ from schemas.kafka import (
 )
 from server.errors import APIError
 from server.metrics import FrontendMetrics
+from server.reply_bell import OPEN_SLEEP_MS, RepliesBell
 from server.streams import ClientStream, Sequence
 
 log = logging.getLogger("ferry.frontend")
@@ -46,6 +47,9 @@ SENT_REMEMBERED = 65536
 # write would make the embedded broker create the topic again (broker quirk "metadata re-creates
 # topics"); a worker's producer forgets a topic 10 s after its last write.
 UNRESUMABLE_RETAIN_S = 60.0
+# Most records the replies reader takes per poll.
+REPLIES_MAX_RECORDS = 2048
+_OPEN_POLL = Poll(OPEN_SLEEP_MS, REPLIES_MAX_RECORDS)
 
 
 class Dispatcher:
@@ -80,6 +84,8 @@ class Dispatcher:
         # (worker id, request id) -> the topic its request went to. Per worker: a disaggregated sequence has a
         # request on its prefill worker and one parked on its decode worker at once.
         self._sent_to: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # Called once a note is in a replies topic: this frontend's replies reader may be asleep.
+        self.on_note: Callable[[], None] | None = None
 
     async def _topic(self, worker_id: str) -> str:
         """The topic a request to `worker_id` goes to now, created if this frontend has not yet."""
@@ -181,6 +187,8 @@ class Dispatcher:
                 await send_and_wait(
                     self._producer, topic, request_encoder.encode(chunk), key=chunk.request_id.encode()
                 )
+            if self.on_note is not None:
+                self.on_note()
         except (KafkaError, TimeoutError) as exc:
             self._metrics.kafka_errors.inc()
             raise APIError(
@@ -247,6 +255,7 @@ class ReplyDemux:
         metrics: FrontendMetrics | None = None,
         configs: dict[str, str] | None = None,
         doorbell: bool = False,
+        workers_bell: RepliesBell | None = None,
     ) -> None:
         self._base = topic
         self._configs = configs  # retention of the replies topics (on Kafka; see `bus.topics.retention`)
@@ -263,20 +272,30 @@ class ReplyDemux:
         self._reassign = False
         self._doomed: list[tuple[float, str]] = []  # (delete at, topic) of retired replies topics, in order
         self._deleting: asyncio.Task[None] | None = None
-        # With nothing open there is nothing to read: the reader sleeps until a stream registers.
-        self._bell = Doorbell() if doorbell else None
+        # With nothing open there is nothing to read: the reader sleeps until a stream registers. With
+        # `workers_bell` it also sleeps between an open stream's records, rung by the workers that write them.
+        self._workers_bell = workers_bell
+        self._bell = workers_bell.doorbell if workers_bell is not None else Doorbell() if doorbell else None
         self._reader = Reader(
             "replies",
             bootstrap,
             reply_decoder,
-            Options(fetch_wait_ms=fetch_wait_ms, poll=Poll(1000, 2048), watch_reset=True),
+            Options(
+                fetch_wait_ms=fetch_wait_ms,
+                poll=Poll(1000, REPLIES_MAX_RECORDS),
+                watch_reset=True,
+                # Workers ring for whatever lies past the offsets announced before a sleep, however late it
+                # was written (server/reply_bell.py): no fetch needs to go out just in case.
+                linger_ms=fetch_wait_ms if workers_bell is not None else Options.linger_ms,
+            ),
             Hooks(
                 self._handle,
                 failed=self._fail_all,
                 reset=self._log_lost,
-                before_poll=self._reassign_if_wanted,
+                before_poll=self._before_poll,
                 after_poll=self._after_poll,
-                may_sleep=lambda: not self._by_request,
+                may_sleep=self._may_sleep,
+                before_sleep=self._announce_sleep,
             ),
             self._bell,
         )
@@ -297,6 +316,11 @@ class ReplyDemux:
         return list(self._tails)
 
     @property
+    def workers_bell(self) -> RepliesBell | None:
+        """What workers ring this demux's reader with while streams are open (None: it polls then)."""
+        return self._workers_bell
+
+    @property
     def reader(self) -> Reader[ReplyMessage]:
         """The replies reader (for its consumer lag)."""
         return self._reader
@@ -308,10 +332,14 @@ class ReplyDemux:
         position = await self._reader.position(TopicPartition(self._base, 0))
         self._current = self._tails[self._base] = _Tail(self._base, position)
         self._reader.run()
+        if self._workers_bell is not None:
+            self._workers_bell.start()
 
     async def stop(self) -> None:
         """Stop reading (and deleting)."""
         await self._reader.stop()
+        if self._workers_bell is not None:
+            await self._workers_bell.stop()
         if self._deleting is not None:
             self._deleting.cancel()
             await asyncio.gather(self._deleting, return_exceptions=True)
@@ -362,10 +390,26 @@ class ReplyDemux:
                 out.append((stream, seq))
         return out
 
-    async def _reassign_if_wanted(self) -> None:
+    def wake(self) -> None:
+        """Something was written to a replies topic from this process (a frontend's note): read it now."""
+        if self._bell is not None:
+            self._bell.ring()
+
+    async def _before_poll(self) -> Poll | None:
         if self._reassign:
             self._reassign = False
             await self._assign()
+        # A sleep with streams open is bounded more tightly: a ring lost on its way costs them that long.
+        return _OPEN_POLL if self._by_request else None
+
+    def _may_sleep(self) -> bool:
+        bell = self._workers_bell
+        return not self._by_request or (bell is not None and bell.armed)
+
+    async def _announce_sleep(self) -> None:
+        bell = self._workers_bell
+        if bell is not None and self._by_request:
+            await bell.announce({t.topic: t.position for t in self._tails.values()})
 
     async def _handle(self, batch: Batch[ReplyMessage]) -> None:
         tail = self._tails.get(batch.tp.topic)

@@ -78,6 +78,7 @@ class Inbox:
         metrics: WorkerMetrics,
         on_fatal: Callable[[BaseException], None],
         on_log_lost: Callable[[], Awaitable[None]],
+        notices: dict[str, Callable[[bytes], None]] | None = None,
     ) -> None:
         self.topic = request_topic(settings.worker_id)
         self._kafka = settings.kafka
@@ -100,7 +101,8 @@ class Inbox:
         if settings.doorbell:
             channel = RedisKeys(settings.redis_prefix).bell(settings.worker_id)
             self.doorbell = Doorbell()
-            self.bell_subscription = BellSubscription(settings.redis, channel, "requests", self.doorbell)
+            # The same connection hears `notices` (replies readers going to sleep: workers/reply_bells.py).
+            self.bell_subscription = BellSubscription(settings.redis, channel, "requests", self.doorbell, notices)
         self.reader: Reader[RequestMessage] = Reader(
             "requests",
             settings.kafka,

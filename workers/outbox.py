@@ -91,6 +91,8 @@ class Outbox:
         self._resends: set[asyncio.Task[None]] = set()
         self._coalesce: Coalescer | None = None
         self._route: Callable[[str], str] | None = None
+        # Told the topic and offset of every record the broker acknowledged (workers/reply_bells.py).
+        self.on_acked: Callable[[str, int], None] | None = None
 
     def coalesce_with(self, coalescer: Coalescer) -> None:
         """Pass every chunk through `coalescer` before it is queued."""
@@ -187,7 +189,11 @@ class Outbox:
             return
         if fut.exception() is not None:
             self._on_send_error(out, fut.exception())
-        elif out.delivered is not None:
+            return
+        if self.on_acked is not None:
+            meta = fut.result()
+            self.on_acked(meta.topic, meta.offset)  # type: ignore[attr-defined]
+        if out.delivered is not None:
             out.delivered()
 
     def _on_send_error(self, out: Outgoing, exc: BaseException | None) -> None:

@@ -34,6 +34,7 @@ from workers.lora import LoraControl
 from workers.metrics import WorkerMetrics
 from workers.outbox import Outbox
 from workers.pool_consumer import PoolConsumer
+from workers.reply_bells import ReplyBells
 from workers.serving import Serving
 
 log = logging.getLogger("ferry.worker")
@@ -64,6 +65,13 @@ class Worker:
             self._outbox.route_with(results.route)
         self.kv_log: KVLog | None = None  # the KV log (workers/kv_log.py), unless --no-kv-log
         bells = Bells(self._redis, keys) if s.doorbell else None
+        # Frontends' replies readers sleep between tokens and are rung once this worker's records are in.
+        self.reply_bells: ReplyBells | None = None
+        notices: dict[str, Callable[[bytes], None]] = {}
+        if bells is not None:
+            self.reply_bells = ReplyBells(bells.publish_soon)
+            self._outbox.on_acked = self.reply_bells.acked
+            notices[keys.replies_asleep()] = self.reply_bells.heard
         self.serving = Serving(
             engine, self._outbox, self.metrics, s.worker_id, self._set_fatal, RequestTopics(s.request_roll_s), bells
         )
@@ -78,7 +86,7 @@ class Worker:
         self.lora = LoraControl(engine, s.worker_id, self.heartbeat.once, self._outbox.send_ack)
         self.ops = EngineOps(engine, s.worker_id, self.heartbeat, index, self.serving.idle, s.drain_grace_s)
         self.lora.engine_ops = self.ops.apply
-        self._inbox = Inbox(s, self.serving, self.lora, self.metrics, self._set_fatal, self._log_lost)
+        self._inbox = Inbox(s, self.serving, self.lora, self.metrics, self._set_fatal, self._log_lost, notices)
         bell = self._inbox.doorbell
         self.metrics.inbox_doorbell.set_function(lambda: float(bell is not None and bell.armed))
         # A tiny real generation now and then: an engine that answers health checks but no longer steps.

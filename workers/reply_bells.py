@@ -1,0 +1,72 @@
+"""Rings a frontend's sleeping replies reader once a record it has not read yet is in its topic.
+
+A frontend's replies reader that polled a while without records sleeps, even with streams open (bus/doorbell.py),
+and first tells every worker where it stopped: the offset of the next record it would read in each replies
+topic (schemas/bells.py). Whether a worker must ring follows from offsets alone, not from timing: a record of
+this worker at or after that offset has not been read, so the worker rings when the notice arrives if such a
+record was acknowledged before it, or when the first one is acknowledged after it. One ring per notice is
+enough: the woken reader reads everything, and it announces its next sleep afresh.
+
+Per acknowledged record this costs two dict lookups; a ring is one Redis PUBLISH, and under steady load the
+reader never sleeps, so nothing is rung.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from schemas.bells import asleep_decoder
+
+log = logging.getLogger("ferry.worker")
+
+# Replies topics whose last acknowledged offset is remembered: frontends roll their topics, so the oldest go.
+REMEMBERED_TOPICS = 1024
+
+
+class ReplyBells:
+    """The worker's side of sleeping replies readers: `acked` for every record the broker took, `heard` for notices."""
+
+    def __init__(self, ring: Callable[[str], None]) -> None:
+        self._ring = ring
+        self._acked: dict[str, int] = {}  # replies topic -> the highest offset of this worker's records there
+        self._asleep: dict[
+            str, tuple[str, int]
+        ] = {}  # replies topic -> (channel to ring, the reader's position)
+        self.rung = 0
+
+    def acked(self, topic: str, offset: int) -> None:
+        """The broker acknowledged this worker's record at `offset` of `topic`."""
+        acked = self._acked
+        if acked.get(topic, -1) < offset:
+            if topic not in acked and len(acked) >= REMEMBERED_TOPICS:
+                del acked[next(iter(acked))]
+            acked[topic] = offset
+        if self._asleep:
+            asleep = self._asleep.get(topic)
+            if asleep is not None and offset >= asleep[1]:
+                del self._asleep[topic]
+                self._ring_now(asleep[0])
+
+    def heard(self, payload: bytes) -> None:
+        """A replies reader went to sleep (a `RepliesAsleep` notice)."""
+        try:
+            notice = asleep_decoder.decode(payload)
+        except Exception as exc:  # a newer frontend's notice this worker cannot read: it polls in time anyway
+            log.warning("ignoring an unreadable replies-asleep notice: %r", exc)
+            return
+        unread = False
+        for topic, position in notice.positions.items():
+            if self._acked.get(topic, -1) >= position:
+                unread = True
+                self._asleep.pop(topic, None)
+            else:
+                if topic not in self._asleep and len(self._asleep) >= REMEMBERED_TOPICS:
+                    del self._asleep[next(iter(self._asleep))]
+                self._asleep[topic] = (notice.channel, position)
+        if unread:
+            self._ring_now(notice.channel)
+
+    def _ring_now(self, channel: str) -> None:
+        self.rung += 1
+        self._ring(channel)
