@@ -16,6 +16,7 @@ from typing import TypeVar
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
+from bus.doorbell import Doorbell
 from bus.read_spec import Batch, Hooks, Options, Poll, Tail
 from bus.reader import Reader
 from kvstore.bells import Bells
@@ -47,12 +48,15 @@ class AckInbox:
     def __init__(self, bootstrap: str, topic: str, fetch_wait_ms: int = 100) -> None:
         self.topic = topic
         self._waiting: dict[str, asyncio.Queue[LoraAck]] = {}
+        # Acks matter only to operations waiting for them: with none, the reader sleeps until one starts.
+        self._bell = Doorbell()
         self._reader = Reader(
             "admin acks",
             bootstrap,
             admin_reply_decoder,
             Options(fetch_wait_ms=fetch_wait_ms, poll=Poll(1000, 256), watch_reset=True),
-            Hooks(self._handle, failed=self._failed),
+            Hooks(self._handle, failed=self._failed, may_sleep=lambda: not self._waiting),
+            self._bell,
         )
         self.failed: BaseException | None = None
 
@@ -73,6 +77,7 @@ class AckInbox:
         # Bounded by the number of workers asked: each answers once.
         box: asyncio.Queue[LoraAck] = asyncio.Queue()
         self._waiting[op_id] = box
+        self._bell.ring()
         return box
 
     def forget(self, op_id: str) -> None:

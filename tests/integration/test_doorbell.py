@@ -3,6 +3,7 @@ real broker and Redis; without a subscription it polls as before."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
@@ -19,7 +20,9 @@ from bus.reader import Reader
 from kvstore.bells import Bells, BellSubscription
 from kvstore.connect import redis_client
 from launch.services import free_port, restart_redis, start_redis
+from schemas.kafka import LoraAck, request_encoder
 from schemas.names import RedisKeys
+from server.lora_admin import AckInbox
 from tests.harness import Harness, until
 from tests.integration.test_bus_reader import Collected, chunk, chunk_decoder, producing, topic_name
 
@@ -192,3 +195,25 @@ async def test_the_first_ring_after_an_empty_redis_restart_arrives() -> None:
         if listener is not None:
             await listener.aclose()
         await child.stop()
+
+
+async def test_the_admin_ack_reader_sleeps_until_an_operation_waits(kafka: str) -> None:
+    inbox = AckInbox(kafka, topic_name(), fetch_wait_ms=5)
+    await inbox.start()
+    try:
+        reader = inbox._reader
+        await until(lambda: _sleeping(reader), 10, 0.01)  # no operation: no ack can matter
+        box = inbox.expect("op-1")
+        async with producing(kafka) as send:
+            await send(inbox.topic, request_encoder.encode(LoraAck("op-1", "w1", "a")))
+            async with asyncio.timeout(10):
+                assert (await box.get()).op_id == "op-1"
+        inbox.forget("op-1")
+        slept = reader.sleeps
+        await until(lambda: _slept_again(reader, slept), 10, 0.01)
+    finally:
+        await inbox.stop()
+
+
+async def _slept_again(reader: Reader, before: int) -> bool:
+    return reader.sleeps > before

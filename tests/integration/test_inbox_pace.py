@@ -10,6 +10,7 @@ import pytest
 
 from tests.harness import Harness, until
 from workers.inbox import fetch_wait_ms
+from workers.worker import Worker
 
 pytestmark = pytest.mark.integration
 
@@ -77,3 +78,28 @@ async def test_no_pacing_while_every_request_in_flight_ends_at_its_next_output(h
         )
         assert two.status_code == 200
         assert any(n > 0 and w > base for n, w in waits), waits
+
+
+async def test_a_busy_workers_inbox_sleeps_between_requests_and_rings_wake_it(h: Harness) -> None:
+    # A busy engine does not keep the inbox fetching: requests and cancels ring it (bus/doorbell.py).
+    running = await h.add_worker(speedup=0.25)
+    worker = running.worker
+    _, url = await h.add_frontend()
+    reader = worker._inbox.reader
+    body = {"model": MODEL, "prompt": "Count", "max_tokens": 80, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        first = asyncio.create_task(c.post("/v1/completions", json=body))
+        await until(lambda: _busy(worker), 10, 0.005)
+        slept = reader.sleeps
+        await until(lambda: _slept_while_busy(worker, slept), 10, 0.005)
+        second = await c.post("/v1/completions", json={**body, "max_tokens": 4})  # read on its ring
+        assert second.status_code == 200 and worker.serving.busy_after_step
+        assert (await first).status_code == 200
+
+
+async def _busy(worker: Worker) -> bool:
+    return worker.serving.busy_after_step
+
+
+async def _slept_while_busy(worker: Worker, before: int) -> bool:
+    return worker._inbox.reader.sleeps > before and worker.serving.busy_after_step
