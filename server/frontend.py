@@ -156,6 +156,8 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
     short = retention(s.kafka_request_retention_s, s.kafka_retention_bytes)  # request and admin topics
     dispatcher = Dispatcher(producer, s.kafka_timeout_s, metrics, RequestTopics(s.request_roll_s), short, s.kafka, bells)
     dispatcher.on_note = demux.wake
+    replies_bell = demux.workers_bell
+    metrics.replies_doorbell.set_function(lambda: float(replies_bell is not None and replies_bell.armed))
     background = Background()
     # Where a lost worker or a lost replies log is answered (server/migration.py).
     migrations = Migrations(

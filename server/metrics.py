@@ -134,6 +134,12 @@ class FrontendMetrics:
         self.redis_up = Gauge("ferry_redis_up", "1 while Redis answers", registry=r)
         self.redis_up.set(1)
         self.live_workers = Gauge("ferry_live_workers", "Workers in the registry", registry=r)
+        # Set by the frontend from its replies reader's bell (server/reply_bell.py).
+        self.replies_doorbell = Gauge(
+            "ferry_replies_doorbell",
+            "1 while workers can ring the replies reader, which then sleeps between a stream's records",
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "ferry_router_queue_depth",
             "Requests waiting in the frontend because every worker is busy",

@@ -178,6 +178,10 @@ async def test_a_stream_with_slow_tokens_is_read_on_the_workers_rings(h: Harness
             text = "".join([line async for line in r.aiter_lines()])
     assert text.count('"text"') >= 12 and text.endswith("[DONE]")
     assert bell.announced >= 3 and running.worker.reply_bells.rung >= 3 and bell.rings >= 3
+    assert fe.metrics.registry.get_sample_value("ferry_replies_doorbell") == 1.0
+    polling, _ = await h.add_frontend(doorbell=False)
+    assert polling.svc.demux.workers_bell is None
+    assert polling.metrics.registry.get_sample_value("ferry_replies_doorbell") == 0.0
 
 
 async def _armed(bell: RepliesBell) -> bool:
