@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
+from aiokafka.structs import RecordMetadata
 
 from schemas.kafka import Chunk, Chunks, GenerateRequest, LoraAck, Release, request_encoder
 from workers.metrics import WorkerMetrics
@@ -184,7 +185,7 @@ class Outbox:
             t.cancel()
         await asyncio.gather(*self._resends, return_exceptions=True)
 
-    def _on_delivery(self, out: Outgoing, fut: asyncio.Future[object]) -> None:
+    def _on_delivery(self, out: Outgoing, fut: asyncio.Future[RecordMetadata]) -> None:
         if fut.cancelled():
             return
         if fut.exception() is not None:
@@ -192,7 +193,7 @@ class Outbox:
             return
         if self.on_acked is not None:
             meta = fut.result()
-            self.on_acked(meta.topic, meta.offset)  # type: ignore[attr-defined]
+            self.on_acked(meta.topic, meta.offset)
         if out.delivered is not None:
             out.delivered()
 

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TypeVar
+
+import msgspec
 
 from schemas.bells import asleep_decoder
 
@@ -22,6 +25,8 @@ log = logging.getLogger("ferry.worker")
 
 # Replies topics whose last acknowledged offset is remembered: frontends roll their topics, so the oldest go.
 REMEMBERED_TOPICS = 1024
+
+V = TypeVar("V")
 
 
 class ReplyBells:
@@ -37,11 +42,8 @@ class ReplyBells:
 
     def acked(self, topic: str, offset: int) -> None:
         """The broker acknowledged this worker's record at `offset` of `topic`."""
-        acked = self._acked
-        if acked.get(topic, -1) < offset:
-            if topic not in acked and len(acked) >= REMEMBERED_TOPICS:
-                del acked[next(iter(acked))]
-            acked[topic] = offset
+        if self._acked.get(topic, -1) < offset:
+            _remember(self._acked, topic, offset)
         if self._asleep:
             asleep = self._asleep.get(topic)
             if asleep is not None and offset >= asleep[1]:
@@ -52,7 +54,8 @@ class ReplyBells:
         """A replies reader went to sleep (a `RepliesAsleep` notice)."""
         try:
             notice = asleep_decoder.decode(payload)
-        except Exception as exc:  # a newer frontend's notice this worker cannot read: it polls in time anyway
+        except msgspec.DecodeError as exc:
+            # A newer frontend's notice this worker cannot read: that reader polls in time anyway.
             log.warning("ignoring an unreadable replies-asleep notice: %r", exc)
             return
         unread = False
@@ -61,12 +64,17 @@ class ReplyBells:
                 unread = True
                 self._asleep.pop(topic, None)
             else:
-                if topic not in self._asleep and len(self._asleep) >= REMEMBERED_TOPICS:
-                    del self._asleep[next(iter(self._asleep))]
-                self._asleep[topic] = (notice.channel, position)
+                _remember(self._asleep, topic, (notice.channel, position))
         if unread:
             self._ring_now(notice.channel)
 
     def _ring_now(self, channel: str) -> None:
         self.rung += 1
         self._ring(channel)
+
+
+def _remember(memory: dict[str, V], topic: str, value: V) -> None:
+    """Set `memory[topic]`, forgetting the oldest topic first when REMEMBERED_TOPICS are held."""
+    if topic not in memory and len(memory) >= REMEMBERED_TOPICS:
+        del memory[next(iter(memory))]
+    memory[topic] = value
