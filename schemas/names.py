@@ -133,6 +133,10 @@ class RedisKeys:
         """Pub/sub channel that rings one frontend's replies reader awake (workers/reply_bells.py)."""
         return f"{self.prefix}rbell:{frontend_id}"
 
+    def kv_log_bell(self, model: str) -> str:
+        """Pub/sub channel that rings frontends' KV log readers of one model (workers/kv_log.py)."""
+        return f"{self.prefix}kvbell:{model}"
+
     def replies_asleep(self) -> str:
         """Pub/sub channel every worker hears: a frontend's replies reader went to sleep (schemas/bells.py)."""
         return f"{self.prefix}asleep"

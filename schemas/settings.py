@@ -90,7 +90,8 @@ class CommonSettings:
         metadata=_help(
             "idle readers on the token path stop fetching until there is something to read: a worker's "
             "requests until a frontend or prefill worker rings it through Redis pub/sub, a frontend's "
-            "replies until it opens a stream and, between a stream's records, until a worker rings it "
+            "replies until it opens a stream and, between a stream's records, until a worker rings it, "
+            "and a frontend's caught-up KV log reader until a worker writes to the log "
             "(a sleeping reader still fetches once a second, every 250 ms while a stream is open); "
             "--no-doorbell = fetch every --kafka-fetch-wait-ms however idle"
         ),

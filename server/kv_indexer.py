@@ -31,9 +31,11 @@ import redis.asyncio as aioredis
 from aiokafka import TopicPartition
 from prometheus_client import Counter, Gauge
 
+from bus.doorbell import Doorbell
 from bus.read_spec import Batch, Hooks, Options, Poll
 from bus.reader import Reader
 from bus.topics import delete_topics, ensure_topics, existing_topics, retention
+from kvstore.bells import BellSubscription
 from kvstore.kv_index import KVIndex
 from kvstore.kv_mirror import KVMirror, WorkerBlocks
 from kvstore.lease import lease_script
@@ -45,6 +47,10 @@ from server.metrics import FrontendMetrics
 
 log = logging.getLogger("ferry.frontend")
 
+# How long the caught-up reader sleeps at most between rings: what a lost ring costs, and how late it sees an
+# epoch turn that brought no record.
+SLEEP_MS = 1000
+MAX_RECORDS = 2000
 # Epochs further back than this are looked for when deleting old ones (an older one outlived every frontend).
 SWEEP_BACK = 12
 
@@ -70,10 +76,21 @@ class KVIndexer:
         self._workers = workers  # the frontend's view of the registry
         self._clock = clock
         self.mirror = KVMirror()
+        # Once caught up, the reader sleeps between the workers' records, rung by the worker that wrote one
+        # (workers/kv_log.py): an idle fleet's log is quiet for minutes, and polling it ten times a second cost
+        # the broker and this process about 1 % of a core each. Unsubscribed it polls (bus/doorbell.py).
+        self.doorbell = Doorbell() if s.doorbell else None
+        self._subscription = (
+            None
+            if self.doorbell is None
+            else BellSubscription(s.redis, keys.kv_log_bell(self._model), "kv-log", self.doorbell)
+        )
         self.reader: Reader[KVLogRecord] = Reader(
             f"kv-log {self._model}", s.kafka, msgspec.msgpack.Decoder(KVLogRecord),
-            Options(fetch_wait_ms=100, poll=Poll(timeout_ms=500, max_records=2000), watch_reset=True),
-            Hooks(handle=self._handle, before_poll=self._before_poll, after_poll=self._after_poll),
+            Options(fetch_wait_ms=100, poll=Poll(timeout_ms=500, max_records=MAX_RECORDS), watch_reset=True),
+            Hooks(handle=self._handle, before_poll=self._before_poll, after_poll=self._after_poll,
+                  may_sleep=lambda: self.caught_up),
+            doorbell=self.doorbell,
         )  # fmt: skip
         self._lease = lease_script(redis)
         self._epoch: int | None = None  # the epoch the reader is positioned for
@@ -108,6 +125,8 @@ class KVIndexer:
 
     async def start(self) -> None:
         """Start following the log (positioned by the loop's first round) and the rebuild loop."""
+        if self._subscription is not None:
+            self._subscription.start()
         await self.reader.start(None)
         self._task = asyncio.create_task(self._loop(), name="kv-indexer")
 
@@ -117,6 +136,8 @@ class KVIndexer:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await self.reader.stop()
+        if self._subscription is not None:
+            await self._subscription.stop()
         if self.holder:
             try:
                 await self._redis.delete(self._keys.kv_lease(self._model))
@@ -154,10 +175,16 @@ class KVIndexer:
         return int(self._clock() // self._s.kv_log_roll_s)
 
     async def _before_poll(self) -> Poll | None:
-        """Read the epoch before the current one and the current one, from wherever the reader is on them."""
+        """Read the epoch before the current one and the current one, from wherever the reader is on them;
+        once caught up, with workers able to ring, a poll that finds nothing is followed by a long sleep."""
         e = self._epoch_now()
-        if e == self._epoch:
-            return None
+        if e != self._epoch:
+            await self._position(e)
+        bell = self.doorbell
+        return Poll(SLEEP_MS, MAX_RECORDS) if self.caught_up and bell is not None and bell.armed else None
+
+    async def _position(self, e: int) -> None:
+        """Assign epochs e - 1 and e (creating them and e + 1 if need be)."""
         topics = [kv_log_topic(self._model, n) for n in (e - 1, e)]
         configs = retention(3 * self._s.kv_log_roll_s, self._s.kafka_retention_bytes)
         await ensure_topics(
@@ -170,7 +197,6 @@ class KVIndexer:
             positions[tp] = await self.reader.position(tp) if tp in held else 0
         await self.reader.assign(positions)
         self._epoch = e
-        return None
 
     async def _handle(self, batch: Batch[KVLogRecord]) -> None:
         for _record, rec in batch.messages:

@@ -57,6 +57,7 @@ class KVLog:
         metrics: WorkerMetrics,
         retention_bytes: int = -1,
         clock: Callable[[], float] = time.time,
+        ring: Callable[[], None] | None = None,
     ) -> None:
         self._producer = producer
         self._bootstrap = bootstrap
@@ -66,6 +67,8 @@ class KVLog:
         self._metrics = metrics
         self._retention_bytes = retention_bytes
         self._clock = clock
+        # Rings the frontends' KV log readers once records are in: they sleep between them (server/kv_indexer.py).
+        self._ring = ring
         self.own = WorkerBlocks(incarnation)
         self._pending: list[KVEvent] = []
         self._epoch: int | None = None  # the epoch of the last record written; None: the next is a snapshot
@@ -152,6 +155,8 @@ class KVLog:
             return
         self._pending.clear()
         self._epoch = epoch
+        if self._ring is not None:
+            self._ring()
         if not self._ok:
             log.info("KV log written again")
             self._ok = True

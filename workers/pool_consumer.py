@@ -29,16 +29,13 @@ from aiokafka.errors import KafkaError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from bus.epochs import metadata_age_ms
-from bus.read_spec import Batch, Hooks, Options, Poll, Subscribe
+from bus.read_spec import BATCH_FETCH_WAIT_MS, Batch, Hooks, Options, Poll, Subscribe
 from bus.reader import Reader
 from kvstore.batch_store import BatchStore
 from schemas.kafka import Chunk, GenerateRequest, PoolItem, pool_decoder
 from schemas.names import pool_group, pool_pattern, pool_topic
 from schemas.settings import WorkerSettings
 from workers.engine import Engine
-
-# The pool's fetch wait: batch work is not on anyone's first-token path.
-POOL_FETCH_WAIT_MS = 100
 
 log = logging.getLogger("ferry.worker.pool")
 
@@ -162,7 +159,7 @@ class PoolConsumer:
             Options(
                 # Batch items wait for spare capacity anyway, so a late answer to a parked fetch costs them
                 # nothing worth the CPU of polling an idle pool every few ms (bench.overhead --peer).
-                fetch_wait_ms=max(settings.kafka_fetch_wait_ms, POOL_FETCH_WAIT_MS),
+                fetch_wait_ms=max(settings.kafka_fetch_wait_ms, BATCH_FETCH_WAIT_MS),
                 group_id=pool_group(settings.served_model_name),
                 client_id=f"ferry-pool-{settings.worker_id}",
                 offset_reset="earliest",

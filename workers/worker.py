@@ -79,8 +79,11 @@ class Worker:
         self.heartbeat = Heartbeat(s, engine, engine_name, Registry(self._redis, keys), index, self.metrics,
                                    lambda: len(self.serving))  # fmt: skip
         if s.kv_log:
+            ring = None
+            if bells is not None:  # frontends' KV log readers sleep until a worker's records are in
+                ring = functools.partial(bells.publish_soon, keys.kv_log_bell(s.served_model_name))
             self.kv_log = KVLog(self._producer, s.kafka, s.worker_id, s.served_model_name, self.heartbeat.started_at,
-                                s.kv_log_roll_s, self.metrics, s.kafka_retention_bytes)  # fmt: skip
+                                s.kv_log_roll_s, self.metrics, s.kafka_retention_bytes, ring=ring)  # fmt: skip
             self._kv.also = self.kv_log.add
         # LoRA load/unload from frontends (workers/lora.py); answers go to the asking frontend's topic.
         self.lora = LoraControl(engine, s.worker_id, self.heartbeat.once, self._outbox.send_ack)

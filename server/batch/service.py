@@ -8,6 +8,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from bus.produce import TrackingProducer
+from bus.read_spec import BATCH_FETCH_WAIT_MS
 from bus.topics import ensure_topics, retention
 from kvstore.batch_store import BatchStore
 from kvstore.connect import redis_client
@@ -51,8 +52,7 @@ class BatchService:
         """
         s = self.settings
         model = s.served_model_name
-        # Batch traffic does not need the interactive path's few-millisecond fetches; idle polling costs CPU.
-        fetch_wait_ms = max(s.kafka_fetch_wait_ms, 100)
+        fetch_wait_ms = max(s.kafka_fetch_wait_ms, BATCH_FETCH_WAIT_MS)
         # With --pool-roll-s, the pool and results topics are epochs created as they come (server/batch/rolling.py).
         unrolled = (
             {pool_topic(model): s.pool_partitions, batch_results_topic(model): 1}

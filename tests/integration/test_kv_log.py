@@ -25,6 +25,7 @@ from kvstore.hashing import block_hashes, chain_seed
 from kvstore.kv_index import KVIndex
 from launch.services import Child, restart_redis, start_redis
 from schemas.names import RedisKeys, kv_log_topic
+from server import kv_indexer
 from server.frontend import Frontend
 from tests.harness import Harness, RunningWorker, harness, until
 
@@ -267,3 +268,41 @@ async def test_a_lookup_notices_an_empty_restart_before_the_indexer_round(
             r = await c.post("/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 2})
             assert r.status_code == 200, r.text
             assert (r.headers["x-ferry-worker"], r.headers["x-ferry-predicted-cached-blocks"]) == (wid, "10")
+
+
+async def test_the_indexer_sleeps_between_records_and_the_writing_worker_rings_it(
+    hh: Harness, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Caught up, the indexer's reader sleeps with its partitions paused (its fallback poll a minute here), and
+    a worker's KV log record rings it awake: a new prompt's blocks reach the mirror in seconds."""
+    monkeypatch.setattr(kv_indexer, "SLEEP_MS", 60_000)
+    w = await hh.add_worker()
+    fe, url = await hh.add_frontend()
+    indexer = fe.indexer
+    assert indexer is not None and indexer.doorbell is not None
+    wid = w.worker.settings.worker_id
+
+    async def asleep() -> bool:
+        return (
+            indexer.caught_up
+            and indexer.doorbell is not None
+            and indexer.doorbell.armed
+            and indexer.reader.sleeps > 0
+        )
+
+    await until(asleep, 10)
+    slept = indexer.reader.sleeps
+    prompt = _prompt(50, 10)
+    await _serve(url, [prompt])
+    chain = block_hashes(prompt, BLOCK, chain_seed(MODEL))
+
+    async def mirrored() -> bool:
+        blocks = indexer.mirror.workers.get(wid)
+        return blocks is not None and set(chain) <= blocks.device
+
+    await until(mirrored, 5)
+
+    async def asleep_again() -> bool:
+        return indexer.reader.sleeps > slept
+
+    await until(asleep_again, 5)
