@@ -40,3 +40,38 @@ class Doorbell:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._rung.wait()
+
+
+class SparseRecords:
+    """Learns whether a reader's records come sparsely, so it may sleep right after a poll that brought some.
+
+    A reader with a doorbell polls briefly after records before it sleeps, in case more follow at once. When
+    they come an engine step apart, that poll finds nothing every time: a fetch per record spent for nothing.
+    After `EMPTY_TAILS` such empty polls in a row the reader skips them, sleeping as soon as it has read; a
+    sleep that a ring cuts shorter than the brief poll would have lasted says records follow closely again,
+    and it polls briefly from then on until it has learned otherwise.
+    """
+
+    EMPTY_TAILS = 2
+
+    def __init__(self, linger_s: float) -> None:
+        self._linger_s = linger_s
+        self._empty = 0  # brief polls after records in a row that found nothing
+        self._after_records = False  # the last poll brought records and no sleep followed it
+
+    @property
+    def sparse(self) -> bool:
+        """Whether to sleep right after records."""
+        return self._empty >= self.EMPTY_TAILS
+
+    def polled(self, fetched: bool) -> None:
+        """A poll (without a sleep before it) ended."""
+        if self._after_records:
+            self._empty = 0 if fetched else self._empty + 1
+        self._after_records = fetched
+
+    def slept(self, seconds: float) -> None:
+        """The reader slept this long (a ring, or its timeout, ended it)."""
+        self._after_records = False
+        if seconds < self._linger_s:
+            self._empty = 0

@@ -94,6 +94,10 @@ class Options:
     # fetch wait of the token path, so what a just-ended fetch missed (broker quirk "late wake-up") is read
     # before the reader depends on a ring that a writer sends only for records it wrote after the sleep began.
     linger_ms: int = 20
+    # (a Reader with a doorbell) Once records have proven sparse, sleep right after a poll that brought some,
+    # without the brief poll first (bus/doorbell.py, `SparseRecords`): only for a reader whose writers ring it
+    # for any record past where it stopped, however soon after the sleep began they wrote it.
+    sleep_after_records: bool = False
     # Check every idle poll for a log the broker lost, and read it again from the start (LogResetWatch).
     watch_reset: bool = False
     # Commit the consumer's positions after every poll that brought records (the handler has them by then).

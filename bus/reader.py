@@ -27,7 +27,7 @@ from aiokafka.errors import KafkaError, OffsetOutOfRangeError
 
 from bus.commits import commit_within, rewind_to_committed
 from bus.consumer import stop_consumer
-from bus.doorbell import Doorbell
+from bus.doorbell import Doorbell, SparseRecords
 from bus.log_watch import FetchWaitAdjuster, LogResetWatch, positions_and_ends
 from bus.read_spec import At, Batch, Decoder, Hooks, Options, Own, Start, Subscribe, Tail
 from bus.topics import ensure_topics
@@ -82,9 +82,11 @@ class Reader(Generic[T]):
         self.gaps_refetched = 0  # holes read again
         self.gaps_accepted = 0  # holes read on past after GAP_TRIES reads
         self.sleeps = 0  # times the loop slept on its doorbell
+        self.empty_polls = 0  # polls of a loop that may sleep that brought nothing
         self._held: set[TopicPartition] = set()  # paused by the owner (`pause`), not by a sleep
         self._drowsy = False  # the last poll of a reader that may sleep brought nothing
         self._last_poll_ms = options.poll.timeout_ms  # the poll timeout of the last round (its hook's)
+        self._sparse = SparseRecords(options.linger_ms / 1000) if options.sleep_after_records else None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -354,7 +356,12 @@ class Reader(Generic[T]):
                 log.warning("%s: offset commit failed: %r", self.name, exc)
         if hooks.after_poll is not None:
             await hooks.after_poll(bool(fetched))
-        self._drowsy = sleepy and not fetched
+        sparse = self._sparse
+        if sleepy and not fetched:
+            self.empty_polls += 1
+        if sparse is not None and sleepy:
+            sparse.polled(bool(fetched))
+        self._drowsy = sleepy and (not fetched or (sparse is not None and sparse.sparse))
 
     def _may_sleep(self, hooks: Hooks[T], stretch: FetchWaitAdjuster) -> bool:
         bell = self._doorbell
@@ -382,8 +389,12 @@ class Reader(Generic[T]):
         # and whatever it brought stays unread until they are resumed.
         consumer.pause(*awake)
         self.sleeps += 1
+        loop = asyncio.get_running_loop()
+        began = loop.time()
         try:
             await bell.wait(timeout_s)
+            if self._sparse is not None:
+                self._sparse.slept(loop.time() - began)
         finally:
             # Rings from now on wake the next sleep: the fetch about to go out sees what they announced
             # only if their records were acknowledged before it.

@@ -287,6 +287,7 @@ class ReplyDemux:
                 # Workers ring for whatever lies past the offsets announced before a sleep, however late it
                 # was written (server/reply_bell.py): no fetch needs to go out just in case.
                 linger_ms=fetch_wait_ms if workers_bell is not None else Options.linger_ms,
+                sleep_after_records=workers_bell is not None,
             ),
             Hooks(
                 self._handle,

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from aiokafka import TopicPartition
 
+from bus.doorbell import SparseRecords
 from bus.read_spec import Poll
 from kvstore.bells import Bells, BellSubscription
 from kvstore.connect import redis_client
@@ -115,6 +116,26 @@ async def test_a_worker_rings_once_its_record_lies_past_the_notice(
             r.worker.acked(r.demux.topic, await send(r.demux.topic, reply(seq)))
             assert await delivered(stream, 1) == [seq]
         assert r.worker.rung == 3 and r.bell.rings >= 3
+
+
+async def test_records_an_engine_step_apart_are_read_without_an_empty_poll_each(
+    kafka: str, redis_url: str, prefix: str
+) -> None:
+    """The brief poll after each record finds nothing when records come a step apart: after two such polls the
+    reader sleeps as soon as it has read, and every record is still read on its ring."""
+    async with rig(kafka, redis_url, prefix) as r, producing(kafka) as send:
+        stream = stream_of("r")
+        r.demux.register(stream)
+        await asleep_with_notice(r, 1)
+        empty = r.demux.reader.empty_polls
+        for seq in range(8):
+            await asleep_with_notice(r, seq + 1)
+            await asyncio.sleep(0.03)  # an engine step between tokens (a ring within the brief poll's span
+            # would say records follow closely)
+            r.worker.acked(r.demux.topic, await send(r.demux.topic, reply(seq)))
+            assert await delivered(stream, 1) == [seq]
+        assert r.demux.reader.empty_polls - empty <= SparseRecords.EMPTY_TAILS + 1  # 8 without
+        assert r.worker.rung == 8
 
 
 async def test_a_record_acknowledged_before_the_notice_reached_the_worker_is_rung_for(
