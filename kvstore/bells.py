@@ -4,8 +4,8 @@ A worker's inbox sleeps while idle (bus/doorbell.py); whoever writes to its requ
 channel `<prefix>bell:<worker_id>` once the broker has acknowledged the record. A frontend's replies reader
 sleeps between a stream's tokens and is rung on `<prefix>rbell:<frontend_id>` by the workers it announced
 its sleep to (workers/reply_bells.py). A frontend's KV log reader sleeps once caught up and is rung on
-`<prefix>kvbell:<model>` by the worker whose record is in (workers/kv_log.py). Rings are best effort: one that Redis does not take is logged once
-and costs the sleeping reader at most its fallback poll.
+`<prefix>kvbell:<model>` by the worker whose record is in (workers/kv_log.py). Rings are best effort: one
+that Redis does not take is logged once and costs the sleeping reader at most its fallback poll.
 """
 
 from __future__ import annotations

@@ -95,12 +95,12 @@ class KVLog:
                     async with asyncio.timeout(max(left, 0.0)):
                         await self._wake.wait()
 
-    def _records(self, snapshot: bool) -> list[KVLogRecord]:
-        """The records to write now: the pending events, or a snapshot (its tail as stored blocks)."""
+    def _records(self, snapshot: bool, events: list[KVEvent]) -> list[KVLogRecord]:
+        """The records to write now: `events`, or a snapshot (its tail as stored blocks)."""
         own, now = self.own, self._clock()
         if not snapshot:
             own.seq += 1
-            return [KVLogRecord(self._worker_id, own.incarnation, own.seq, now, events=list(self._pending))]
+            return [KVLogRecord(self._worker_id, own.incarnation, own.seq, now, events=events)]
         device, host = sorted(own.device), sorted(own.host)
         own.seq += 1
         out = [
@@ -143,7 +143,11 @@ class KVLog:
                 )
                 self._created = epoch
             topic, key = kv_log_topic(self._model, epoch), self._worker_id.encode()
-            for rec in self._records(snapshot):
+            # Taken before the sends: events added while they wait go in the next record (a snapshot is built
+            # from `own`, which already holds the events taken with it).
+            records = self._records(snapshot, self._pending)
+            self._pending = []
+            for rec in records:
                 await send_and_wait(self._producer, topic, _encoder.encode(rec), key)
                 self._metrics.kv_log_records.labels("snapshot" if rec.snapshot else "events").inc()
         except Exception as exc:
@@ -153,7 +157,6 @@ class KVLog:
                 log.warning("KV log not written (%r); a snapshot follows once it works", exc)
                 self._ok = False
             return
-        self._pending.clear()
         self._epoch = epoch
         if self._ring is not None:
             self._ring()

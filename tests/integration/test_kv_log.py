@@ -89,9 +89,10 @@ async def _serve(url: str, prompts: list[list[int]]) -> list[str]:
 
 
 async def _logged(
-    c: aioredis.Redis, prefix: str, workers: list[RunningWorker]
+    c: aioredis.Redis, prefix: str, workers: list[RunningWorker], fe: Frontend | None = None
 ) -> dict[str, set[bytes | str]]:
-    """Once every worker's KV log holds what Redis holds for it (its records went out): the Redis sets."""
+    """Once every worker's KV log holds what Redis holds for it (its records went out), and `fe`'s indexer has
+    read them: the Redis sets."""
 
     async def same() -> bool:
         for w in workers:
@@ -103,7 +104,19 @@ async def _logged(
         return True
 
     await until(same, 10)
-    await asyncio.sleep(0.3)  # the last records' way through the broker to the frontends' indexers
+    indexer = None if fe is None else fe.indexer
+
+    async def mirrored() -> bool:
+        assert indexer is not None
+        for w in workers:
+            log, m = w.worker.kv_log, indexer.mirror.workers.get(w.worker.settings.worker_id)
+            assert log is not None
+            if m is None or (m.device, m.host) != (log.own.device, log.own.host):
+                return False
+        return True
+
+    if indexer is not None:
+        await until(mirrored, 10)
     return {w.worker.settings.worker_id: await _held(c, prefix, w.worker.settings.worker_id) for w in workers}
 
 
@@ -124,7 +137,7 @@ async def test_an_empty_redis_restart_gets_the_index_back_without_a_request(
     fe, url = await hh.add_frontend(router_policy="round_robin")
     prompts = [_prompt(i, 10) for i in range(4)]
     served = await _serve(url, prompts)
-    before = await _logged(client, prefix, [a, b])
+    before = await _logged(client, prefix, [a, b], fe)
     await own.restart_empty()
     assert not await client.exists(RedisKeys(prefix).worker_blocks(served[0]))
 
@@ -174,7 +187,7 @@ async def test_a_cleared_cache_and_a_killed_worker_are_not_written_back(
     cleared, killed, kept = await hh.add_worker(), await hh.add_worker(), await hh.add_worker()
     fe, url = await hh.add_frontend(router_policy="round_robin")
     await _serve(url, [_prompt(i, 10) for i in range(20, 26)])
-    before = await _logged(client, prefix, [cleared, killed, kept])
+    before = await _logged(client, prefix, [cleared, killed, kept], fe)
     await cleared.worker.ops.reset_prefix_cache()
     indexer = fe.indexer
     assert indexer is not None
@@ -259,7 +272,7 @@ async def test_a_lookup_notices_an_empty_restart_before_the_indexer_round(
     fe.svc.router.recent = None
     prompts = [_prompt(i, 10) for i in range(30, 34)]
     served = await _serve(url, prompts)
-    await _logged(client, prefix, [w for w in (a, b) if w.worker.settings.worker_id in served])
+    await _logged(client, prefix, [w for w in (a, b) if w.worker.settings.worker_id in served], fe)
     indexer = fe.indexer
     assert indexer is not None and not indexer.rebuilding
     await own.restart_empty()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import msgspec
@@ -96,7 +97,7 @@ def test_worker_snapshot_records_carry_the_whole_cache_in_pieces() -> None:
     old = kv_log.SNAPSHOT_MAX
     kv_log.SNAPSHOT_MAX = 4
     try:
-        records = log._records(snapshot=True)
+        records = log._records(True, [])
     finally:
         kv_log.SNAPSHOT_MAX = old
     assert records[0].snapshot and len(records) == 4  # 10 device + 2 host blocks, 4 per record
@@ -160,3 +161,37 @@ async def test_the_router_asks_the_mirror_while_the_index_is_rebuilt_or_down() -
     assert (await router.choose("m", workers, PromptMemo(tokens, max_tokens=4))).predicted_cached_blocks == 0
     index.fail = True  # unreachable: the mirror answers
     assert (await router.choose("m", workers, PromptMemo(tokens, max_tokens=4))).predicted_cached_blocks == 10
+
+
+class _HeldProducer:
+    """A producer whose sends wait until the test lets them through; it keeps what was sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[KVLogRecord] = []
+        self.gate = asyncio.Event()
+        self.sending = asyncio.Event()
+
+    async def send_and_wait(self, topic: str, value: bytes, key: bytes, partition: int) -> None:
+        self.sending.set()
+        await self.gate.wait()
+        self.sent.append(msgspec.msgpack.decode(value, type=KVLogRecord))
+
+
+async def test_events_added_while_a_record_is_sent_go_in_the_next_record() -> None:
+    """A worker's engine steps on while its KV log waits for the broker: what it stored meanwhile is not lost
+    with the record under way, and a mirror fed the records holds exactly the worker's blocks."""
+    producer = _HeldProducer()
+    log = KVLog(producer, "", "w", "m", 1.0, 60.0, WorkerMetrics(), clock=lambda: 0.0)  # type: ignore[arg-type]
+    log._created = 0  # the epoch's topics exist (no broker here)
+    log.add(KVEventBatch(0.0, [BlockStored([1, 2])]))
+    first = asyncio.create_task(log.flush())  # the epoch's first record: a snapshot
+    await producer.sending.wait()  # it waits for the broker now
+    log.add(KVEventBatch(0.0, [BlockStored([3])]))
+    producer.gate.set()
+    await first
+    await log.flush()
+    m = KVMirror()
+    for r in producer.sent:
+        m.apply(r)
+    assert [r.snapshot for r in producer.sent] == [True, False]
+    assert m.workers["w"].device == log.own.device == {1, 2, 3}
