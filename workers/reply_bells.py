@@ -35,9 +35,8 @@ class ReplyBells:
     def __init__(self, ring: Callable[[str], None]) -> None:
         self._ring = ring
         self._acked: dict[str, int] = {}  # replies topic -> the highest offset of this worker's records there
-        self._asleep: dict[
-            str, tuple[str, int]
-        ] = {}  # replies topic -> (channel to ring, the reader's position)
+        # Replies topic -> (channel to ring, the position its sleeping reader announced).
+        self._asleep: dict[str, tuple[str, int]] = {}
         self.rung = 0
 
     def acked(self, topic: str, offset: int) -> None:
