@@ -303,6 +303,9 @@ _SERVER_HISTOGRAMS = {
     "ttft": "ferry_time_to_first_token_seconds",
     "kafka_produce": "ferry_kafka_produce_seconds",
     "tokenize": "ferry_tokenize_seconds",
+    "route": "ferry_router_decision_seconds",
+    "worker_queue": "ferry_request_queue_seconds",
+    "worker_prefill": "ferry_request_prefill_seconds",
 }
 
 
