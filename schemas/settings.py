@@ -439,6 +439,14 @@ class WorkerSettings(CommonSettings, SimSettings, VLLMSettings, PoolSettings):
             "wake-ups on the engine's cores; 0 = off"
         ),
     )
+    reply_linger_ms: float = dataclasses.field(
+        default=2.0,
+        metadata=_help(
+            "send reply records at most this often (Kafka's linger.ms, for the outbox): when the engine steps "
+            "faster, one record carries several steps' tokens; a sequence's first token never waits; "
+            "0 = every step's output at once"
+        ),
+    )
     metrics_host: str = dataclasses.field(default="127.0.0.1", metadata=_help("bind address of /metrics"))
     metrics_port: int = dataclasses.field(default=0, metadata=_help("port of /metrics; 0 = any free port"))
     drain_grace_s: float = dataclasses.field(

@@ -3,8 +3,11 @@
 Chunks are queued without waiting (the engine pushes a step's outputs from inside the step); the engine
 waits for `room()` before its next step, so the queue pushes back on it when Kafka lags. What queued up while the sender was busy goes out
 together: a topic's consecutive chunks become one `Chunks` record, so a busy worker sends one record per
-frontend per round instead of one per token. A record the broker refuses is sent again behind what was
-queued since (docs/architecture.md, broker quirk "stale producer metadata").
+frontend per round instead of one per token. Rounds start at least `linger_s` apart (`--reply-linger-ms`, as
+Kafka's linger.ms): an engine stepping faster than that sends several steps' tokens in one record instead of
+one record per step, which is what the broker, the frontend's reader and its SSE writes pay for; a sequence's
+first token (its client's TTFT) and messages to other workers end the wait. A record the broker refuses is
+sent again behind what was queued since (docs/architecture.md, broker quirk "stale producer metadata").
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -53,6 +57,11 @@ class Reply(NamedTuple):
     chunk: Chunk
 
 
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 def records(items: list[Outgoing | Reply]) -> list[Outgoing]:
     """The records to send for what was queued, in order per topic: a topic's consecutive chunks in one."""
     out: list[Outgoing] = []
@@ -83,9 +92,12 @@ def records(items: list[Outgoing | Reply]) -> list[Outgoing]:
 class Outbox:
     """Queues chunks and acks for the producer; `run()` is the one sender."""
 
-    def __init__(self, producer: AIOKafkaProducer, metrics: WorkerMetrics) -> None:
+    def __init__(self, producer: AIOKafkaProducer, metrics: WorkerMetrics, linger_s: float = 0.0) -> None:
         self._producer = producer
         self._metrics = metrics
+        self._linger_s = linger_s
+        self._urgent = False  # something queued must not linger (a first token, a message to another worker)
+        self._lingering: asyncio.Future[None] | None = None  # set while a round waits out the linger
         self._queue: asyncio.Queue[Outgoing | Reply] = asyncio.Queue()
         self._room = asyncio.Event()  # set while fewer than QUEUE_SIZE records wait
         self._room.set()
@@ -104,14 +116,24 @@ class Outbox:
         resend): a rolled topic's current epoch then, not the one current when the request was queued."""
         self._route = route
 
-    def put(self, req: GenerateRequest, chunk: Chunk) -> None:
-        """Queue one chunk for the request's reply topic (never waits: its producer waits for `room()`)."""
+    def put(self, req: GenerateRequest, chunk: Chunk, urgent: bool = False) -> None:
+        """Queue one chunk for the request's reply topic (never waits: its producer waits for `room()`);
+        `urgent` sends it without lingering (a sequence's first token: its client's TTFT)."""
         if self._coalesce is not None:
             merged = self._coalesce(req, chunk)
             if merged is None:
                 return
             chunk = merged
         self._queue.put_nowait(Reply(req.reply_topic, chunk))
+        if urgent:
+            self._hurry()
+
+    def _hurry(self) -> None:
+        """End the linger now: what was just queued goes out with this round."""
+        self._urgent = True
+        waiting = self._lingering
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
 
     async def room(self) -> None:
         """Wait while QUEUE_SIZE records are queued (Kafka lags): what produces chunks calls this between rounds."""
@@ -128,26 +150,49 @@ class Outbox:
         is called once the broker has it (to ring that worker's doorbell)."""
         out = Outgoing(topic, release.request_id.encode(), request_encoder.encode(release), delivered=delivered)
         self._queue.put_nowait(out)
+        self._hurry()
 
     async def send_ack(self, topic: str, ack: LoraAck) -> None:
         """Queue the answer to a LoRA operation for the asking frontend's admin topic."""
         await self._queue.put(Outgoing(topic, ack.op_id.encode(), request_encoder.encode(ack)))
+        self._hurry()
 
     async def run(self) -> None:
-        """Hand queued records to the producer, in order, forever."""
+        """Hand queued records to the producer, in order, forever; rounds start `linger_s` apart at the closest."""
         queue = self._queue
+        loop = asyncio.get_running_loop()
+        last = -math.inf  # when the last round started
         while True:
             items = [await queue.get()]
-            while not queue.empty() and len(items) < QUEUE_SIZE:
-                items.append(queue.get_nowait())
-            if queue.qsize() < QUEUE_SIZE:
-                self._room.set()
             try:
+                if self._linger_s and not self._urgent:
+                    # The engine steps faster than this: what it makes meanwhile goes in the same records.
+                    await self._linger(last + self._linger_s)
+                last = loop.time()
+                self._urgent = False
+                while not queue.empty() and len(items) < QUEUE_SIZE:
+                    items.append(queue.get_nowait())
+                if queue.qsize() < QUEUE_SIZE:
+                    self._room.set()
                 for out in records(items):
                     await self._send(out)
             finally:
                 for _ in items:
                     queue.task_done()
+
+    async def _linger(self, until: float) -> None:
+        """Wait until `until` (loop time), or until something urgent is queued."""
+        loop = asyncio.get_running_loop()
+        wait = until - loop.time()
+        if wait <= 0:
+            return
+        waiting = self._lingering = loop.create_future()
+        timer = loop.call_later(wait, _settle, waiting)
+        try:
+            await waiting
+        finally:
+            timer.cancel()
+            self._lingering = None
 
     async def _send(self, out: Outgoing) -> None:
         try:

@@ -225,7 +225,7 @@ class Serving:
         """A released hand-off's token, once, as the attempt's first chunk (workers/parking.py)."""
         if att.first_chunk is not None:
             chunk, att.first_chunk = att.first_chunk, None
-            self._outbox.put(att.req, chunk)
+            self._outbox.put(att.req, chunk, urgent=True)
 
     def _ending(self, att: _Attempt, error: ErrorInfo | None = None) -> Chunk:
         """The attempt's last chunk without output (aborted, or failed with `error`), after its hand-off's token."""
@@ -240,7 +240,8 @@ class Serving:
         att.generated += len(out.token_ids)
         if att.generated >= att.last_at:
             self._last_step.add(att.task)
-        if out.token_ids and not att.first:
+        first = bool(out.token_ids) and not att.first
+        if first:
             att.first, att.queued = time.monotonic(), out.queued_s
         usage = None
         if out.finish_reason is not None:
@@ -257,7 +258,7 @@ class Serving:
         metrics.generated_tokens.inc(len(out.token_ids))
         chunk = chunk_of(req, att.seq, out, self._worker_id, usage)
         self._release(req, chunk, out.kv_transfer)
-        self._outbox.put(req, chunk)
+        self._outbox.put(req, chunk, urgent=first)  # a first token never lingers: its client's TTFT
         att.seq += 1
 
     async def _generate(self, att: _Attempt) -> None:

@@ -57,7 +57,7 @@ class Worker:
         index = self._index = KVIndex(self._redis, keys)
         self._kv = KVPublisher(index, s.worker_id, s.served_model_name, self.metrics)
         self._producer = TrackingProducer(bootstrap_servers=s.kafka, linger_ms=0, request_timeout_ms=10_000)
-        self._outbox = Outbox(self._producer, self.metrics)
+        self._outbox = Outbox(self._producer, self.metrics, s.reply_linger_ms / 1000)
         if s.pool_roll_s > 0:
             # Batch results go to the epoch current when they are sent, whatever the item named when it was
             # queued (hours ago, maybe): that epoch may be deleted by now (bus/epochs.py).

@@ -231,9 +231,11 @@ class _Outbox(Outbox):
     def __init__(self) -> None:
         super().__init__()
         self.chunks: list[Chunk] = []
+        self.urgent: list[bool] = []
 
-    def put(self, req: GenerateRequest, chunk: Chunk) -> None:
+    def put(self, req: GenerateRequest, chunk: Chunk, urgent: bool = False) -> None:
         self.chunks.append(chunk)
+        self.urgent.append(urgent)
 
 
 async def test_a_released_attempt_sends_the_token_when_its_engine_schedules_it() -> None:
@@ -250,5 +252,23 @@ async def test_a_released_attempt_sends_the_token_when_its_engine_schedules_it()
     assert engine.sink is not None
     engine.sink(EngineOutput([8], text="y"))
     assert [(c.seq, c.token_ids) for c in outbox.chunks] == [(0, [7]), (1, [8])]
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_only_a_sequences_first_tokens_skip_the_outboxs_linger() -> None:
+    engine, outbox = _Engine(), _Outbox()
+    serving = Serving(engine, outbox, WorkerMetrics(), "d", lambda exc: None)  # type: ignore[arg-type]
+    run, first = released(parked(), release(), "d")
+    task = serving.start(run, first)
+    await asyncio.wait_for(engine.pushed.wait(), 5)
+    assert engine.on_scheduled is not None and engine.sink is not None
+    engine.on_scheduled()
+    for token in (8, 9, 10):
+        engine.sink(EngineOutput([token], text="y"))
+    # The hand-off's token and the decode engine's first are what the client waits for; the rest may linger.
+    assert [(c.token_ids, u) for c, u in zip(outbox.chunks, outbox.urgent, strict=True)] == [
+        ([7], True), ([8], True), ([9], False), ([10], False),
+    ]  # fmt: skip
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
