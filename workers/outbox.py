@@ -5,8 +5,9 @@ waits for `room()` before its next step, so the queue pushes back on it when Kaf
 together: a topic's consecutive chunks become one `Chunks` record, so a busy worker sends one record per
 frontend per round instead of one per token. Rounds start at least `linger_s` apart (`--reply-linger-ms`, as
 Kafka's linger.ms): an engine stepping faster than that sends several steps' tokens in one record instead of
-one record per step, which is what the broker, the frontend's reader and its SSE writes pay for; a sequence's
-first token (its client's TTFT) and messages to other workers end the wait. A record the broker refuses is
+one record per step, which is what the broker, the frontend's reader and its SSE writes pay for; what is put
+`urgent` (a sequence's first token, a lone sequence's tokens: workers/serving.py) and messages to other
+workers end the wait. A record the broker refuses is
 sent again behind what was queued since (docs/architecture.md, broker quirk "stale producer metadata").
 """
 

@@ -258,7 +258,10 @@ class Serving:
         metrics.generated_tokens.inc(len(out.token_ids))
         chunk = chunk_of(req, att.seq, out, self._worker_id, usage)
         self._release(req, chunk, out.kv_transfer)
-        self._outbox.put(req, chunk, urgent=first)  # a first token never lingers: its client's TTFT
+        # A first token never lingers (its client's TTFT), nor a lone sequence's tokens: there is no other
+        # sequence's to share a record with, and a frontend reading one stream is the most sensitive to when its
+        # records come (its replies reader's brief polls meet a first token later, bench.overhead at 1 stream).
+        self._outbox.put(req, chunk, urgent=first or len(self._inflight) == 1)
         att.seq += 1
 
     async def _generate(self, att: _Attempt) -> None:

@@ -263,12 +263,18 @@ async def test_only_a_sequences_first_tokens_skip_the_outboxs_linger() -> None:
     task = serving.start(run, first)
     await asyncio.wait_for(engine.pushed.wait(), 5)
     assert engine.on_scheduled is not None and engine.sink is not None
+    sink, engine.sink = engine.sink, None
     engine.on_scheduled()
-    for token in (8, 9, 10):
-        engine.sink(EngineOutput([token], text="y"))
+    sink(EngineOutput([8], text="y"))
+    sink(EngineOutput([9], text="y"))  # the worker's only sequence: nothing to wait for
+    engine.pushed.clear()
+    other = serving.start(parked("r.1"))  # a second sequence in flight
+    await asyncio.wait_for(engine.pushed.wait(), 5)
+    sink(EngineOutput([10], text="y"))
     # The hand-off's token and the decode engine's first are what the client waits for; the rest may linger.
     assert [(c.token_ids, u) for c, u in zip(outbox.chunks, outbox.urgent, strict=True)] == [
-        ([7], True), ([8], True), ([9], False), ([10], False),
+        ([7], True), ([8], True), ([9], True), ([10], False),
     ]  # fmt: skip
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    for t in (task, other):
+        t.cancel()
+    await asyncio.gather(task, other, return_exceptions=True)
