@@ -40,14 +40,15 @@ def connector_config(kind: str, role: str, store: Path) -> dict[str, Any]:
 
 async def worker(wid: str, role: str, kind: str, store: Path, kafka: str, redis_url: str, prefix: str,
                  model_path: Path) -> tuple[Child, str]:  # fmt: skip
-    """A vLLM worker process of `role`, its engine's connector of `kind`; heartbeats 2 s apart (dead after
-    6 s): two engines prefilling beside the session's other workers starve a worker's loop of the two cores
-    for longer than the shared stack's 1.5 s. With the URL of its /metrics."""
+    """A vLLM worker process of `role`, its engine's connector of `kind`; heartbeats 4 s apart (dead after
+    12 s): two engines prefilling beside the session's other workers starve a worker's loop of the two cores
+    for longer than the shared stack's 1.5 s, and once in a full `make test` for longer than 6 s (both workers
+    left the registry during the first request). With the URL of its /metrics."""
     connector = connector_config(kind, role, store)
     port = free_port()
     argv = [sys.executable, "-m", "launch", "worker", "--engine", "vllm", "--role", role, "--worker-id", wid,
             "--block-size", "32", "--kafka", kafka, "--redis", redis_url, "--redis-prefix", prefix,
-            "--model-path", str(model_path), "--kv-cache-gib", "0.25", "--heartbeat-interval-s", "2",
+            "--model-path", str(model_path), "--kv-cache-gib", "0.25", "--heartbeat-interval-s", "4",
             "--max-loras", "0", "--log-level", "warning", "--metrics-port", str(port), "--", "--kv-transfer-config", json.dumps(connector)]  # fmt: skip
     child = await Child.spawn(wid, argv, echo=False)
     await child.wait_for_line(lambda line: line.startswith("ferry-worker-ready"), 240)
