@@ -108,6 +108,11 @@ class Outbox:
         # Told the topic and offset of every record the broker acknowledged (workers/reply_bells.py).
         self.on_acked: Callable[[str, int], None] | None = None
 
+    @property
+    def linger_s(self) -> float:
+        """Least time between the starts of two rounds (0: none)."""
+        return self._linger_s
+
     def coalesce_with(self, coalescer: Coalescer) -> None:
         """Pass every chunk through `coalescer` before it is queued."""
         self._coalesce = coalescer

@@ -261,7 +261,10 @@ class Serving:
         # A first token never lingers (its client's TTFT), nor a lone sequence's tokens: there is no other
         # sequence's to share a record with, and a frontend reading one stream is the most sensitive to when its
         # records come (its replies reader's brief polls meet a first token later, bench.overhead at 1 stream).
-        self._outbox.put(req, chunk, urgent=first or len(self._inflight) == 1)
+        # Nor anything of an engine whose steps take longer than the linger: it has nothing to gather (vLLM on
+        # a CPU, 50 ms a step), and a step's outputs read by one task per sequence would wait for nothing.
+        urgent = first or len(self._inflight) == 1 or self.step_s >= self._outbox.linger_s
+        self._outbox.put(req, chunk, urgent=urgent)
         att.seq += 1
 
     async def _generate(self, att: _Attempt) -> None:

@@ -228,6 +228,8 @@ class _Engine:
 
 
 class _Outbox(Outbox):
+    linger_s = 0.002
+
     def __init__(self) -> None:
         super().__init__()
         self.chunks: list[Chunk] = []
@@ -271,9 +273,11 @@ async def test_only_a_sequences_first_tokens_skip_the_outboxs_linger() -> None:
     other = serving.start(parked("r.1"))  # a second sequence in flight
     await asyncio.wait_for(engine.pushed.wait(), 5)
     sink(EngineOutput([10], text="y"))
+    serving.step_s = 0.05  # an engine stepping slower than the linger: nothing to gather
+    sink(EngineOutput([11], text="y"))
     # The hand-off's token and the decode engine's first are what the client waits for; the rest may linger.
     assert [(c.token_ids, u) for c, u in zip(outbox.chunks, outbox.urgent, strict=True)] == [
-        ([7], True), ([8], True), ([9], True), ([10], False),
+        ([7], True), ([8], True), ([9], True), ([10], False), ([11], True),
     ]  # fmt: skip
     for t in (task, other):
         t.cancel()
