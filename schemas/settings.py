@@ -443,8 +443,8 @@ class WorkerSettings(CommonSettings, SimSettings, VLLMSettings, PoolSettings):
         default=2.0,
         metadata=_help(
             "send reply records at most this often (Kafka's linger.ms, for the outbox): when the engine steps "
-            "faster, one record carries several steps' tokens; a sequence's first token never waits; "
-            "0 = every step's output at once"
+            "faster, one record carries several steps' tokens; a sequence's first token, a worker's only "
+            "sequence and an engine whose steps take longer never wait; 0 = every step's output at once"
         ),
     )
     metrics_host: str = dataclasses.field(default="127.0.0.1", metadata=_help("bind address of /metrics"))
