@@ -1,14 +1,14 @@
 """A worker's outgoing records: one queue and one sender, so each request's chunks stay in order.
 
 Chunks are queued without waiting (the engine pushes a step's outputs from inside the step); the engine
-waits for `room()` before its next step, so the queue pushes back on it when Kafka lags. What queued up while the sender was busy goes out
-together: a topic's consecutive chunks become one `Chunks` record, so a busy worker sends one record per
-frontend per round instead of one per token. Rounds start at least `linger_s` apart (`--reply-linger-ms`, as
-Kafka's linger.ms): an engine stepping faster than that sends several steps' tokens in one record instead of
-one record per step, which is what the broker, the frontend's reader and its SSE writes pay for; what is put
-`urgent` (a sequence's first token, a lone sequence's tokens: workers/serving.py) and messages to other
-workers end the wait. A record the broker refuses is
-sent again behind what was queued since (docs/architecture.md, broker quirk "stale producer metadata").
+waits for `room()` before its next step, so the queue pushes back on it when Kafka lags. What queued up while
+the sender was busy goes out together: a topic's consecutive chunks become one `Chunks` record, so a busy
+worker sends one record per frontend per round instead of one per token. Rounds start at least `linger_s`
+apart (`--reply-linger-ms`, as Kafka's linger.ms): an engine stepping faster than that sends several steps'
+tokens in one record instead of one record per step, which is what the broker, the frontend's reader and its
+SSE writes pay for; what is put `urgent` (a first token, a lone sequence's tokens, anything of an engine
+stepping slower than the linger: workers/serving.py) and messages to other workers end the wait. A record the
+broker refuses is sent again behind what was queued since (docs/architecture.md, "stale producer metadata").
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class Outbox:
 
     def put(self, req: GenerateRequest, chunk: Chunk, urgent: bool = False) -> None:
         """Queue one chunk for the request's reply topic (never waits: its producer waits for `room()`);
-        `urgent` sends it without lingering (a sequence's first token: its client's TTFT)."""
+        `urgent` sends it, and what waits with it, without lingering."""
         if self._coalesce is not None:
             merged = self._coalesce(req, chunk)
             if merged is None:
