@@ -24,6 +24,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import RecordMetadata
 
+from bus.doorbell import Doorbell
 from schemas.kafka import Chunk, Chunks, GenerateRequest, LoraAck, Release, request_encoder
 from workers.metrics import WorkerMetrics
 
@@ -56,11 +57,6 @@ class Reply(NamedTuple):
 
     topic: str
     chunk: Chunk
-
-
-def _settle(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def records(items: list[Outgoing | Reply]) -> list[Outgoing]:
@@ -97,8 +93,8 @@ class Outbox:
         self._producer = producer
         self._metrics = metrics
         self._linger_s = linger_s
-        self._urgent = False  # something queued must not linger (a first token, a message to another worker)
-        self._lingering: asyncio.Future[None] | None = None  # set while a round waits out the linger
+        # Rung when something queued must not linger (a first token, a message to another worker).
+        self._urgent = Doorbell()
         self._queue: asyncio.Queue[Outgoing | Reply] = asyncio.Queue()
         self._room = asyncio.Event()  # set while fewer than QUEUE_SIZE records wait
         self._room.set()
@@ -132,14 +128,7 @@ class Outbox:
             chunk = merged
         self._queue.put_nowait(Reply(req.reply_topic, chunk))
         if urgent:
-            self._hurry()
-
-    def _hurry(self) -> None:
-        """End the linger now: what was just queued goes out with this round."""
-        self._urgent = True
-        waiting = self._lingering
-        if waiting is not None and not waiting.done():
-            waiting.set_result(None)
+            self._urgent.ring()
 
     async def room(self) -> None:
         """Wait while QUEUE_SIZE records are queued (Kafka lags): what produces chunks calls this between rounds."""
@@ -156,12 +145,12 @@ class Outbox:
         is called once the broker has it (to ring that worker's doorbell)."""
         out = Outgoing(topic, release.request_id.encode(), request_encoder.encode(release), delivered=delivered)
         self._queue.put_nowait(out)
-        self._hurry()
+        self._urgent.ring()
 
     async def send_ack(self, topic: str, ack: LoraAck) -> None:
         """Queue the answer to a LoRA operation for the asking frontend's admin topic."""
         await self._queue.put(Outgoing(topic, ack.op_id.encode(), request_encoder.encode(ack)))
-        self._hurry()
+        self._urgent.ring()
 
     async def run(self) -> None:
         """Hand queued records to the producer, in order, forever; rounds start `linger_s` apart at the closest."""
@@ -171,11 +160,12 @@ class Outbox:
         while True:
             items = [await queue.get()]
             try:
-                if self._linger_s and not self._urgent:
+                wait = last + self._linger_s - loop.time()
+                if self._linger_s and wait > 0:
                     # The engine steps faster than this: what it makes meanwhile goes in the same records.
-                    await self._linger(last + self._linger_s)
+                    await self._urgent.wait(wait)
                 last = loop.time()
-                self._urgent = False
+                self._urgent.clear()
                 while not queue.empty() and len(items) < QUEUE_SIZE:
                     items.append(queue.get_nowait())
                 if queue.qsize() < QUEUE_SIZE:
@@ -185,20 +175,6 @@ class Outbox:
             finally:
                 for _ in items:
                     queue.task_done()
-
-    async def _linger(self, until: float) -> None:
-        """Wait until `until` (loop time), or until something urgent is queued."""
-        loop = asyncio.get_running_loop()
-        wait = until - loop.time()
-        if wait <= 0:
-            return
-        waiting = self._lingering = loop.create_future()
-        timer = loop.call_later(wait, _settle, waiting)
-        try:
-            await waiting
-        finally:
-            timer.cancel()
-            self._lingering = None
 
     async def _send(self, out: Outgoing) -> None:
         try:
