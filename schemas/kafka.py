@@ -167,7 +167,8 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Chunk(msgspec.Struct, tag="chunk", omit_defaults=True, frozen=True):
-    """A piece of one sequence's output; `seq` counts chunks of that request from 0."""
+    """A piece of one sequence's output; `seq` counts chunks of that request from 0, and a chunk stands for
+    `span` of them (`seq` is the first's)."""
 
     request_id: str
     seq: int
@@ -186,6 +187,14 @@ class Chunk(msgspec.Struct, tag="chunk", omit_defaults=True, frozen=True):
     # The GenerateRequest attempt that produced it. A chunk with seq == -1 is the frontend's migration
     # marker: from here on only chunks of this attempt count (server/streams.py).
     attempt: int = 0
+    # How many of the sequence's chunks this one carries: a worker sends a sequence's consecutive chunks of one
+    # record as one (workers/outbox.py), so a reader decodes and handles one struct, not one per token.
+    span: int = 1
+
+    @property
+    def end(self) -> int:
+        """The `seq` of the chunk that follows this one."""
+        return self.seq + self.span
 
 
 class Chunks(msgspec.Struct, tag="chunks", frozen=True):

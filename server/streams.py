@@ -167,7 +167,7 @@ class ClientStream:
                 )
                 self.on_lost(seq, Loss.CHUNK_LOST)
             return
-        seq.next_seq = chunk.seq + 1
+        seq.next_seq = chunk.end
         seq.token_ids.extend(chunk.token_ids)
         if chunk.finish_reason is not None:
             seq.finished = True

@@ -3,12 +3,13 @@
 Chunks are queued without waiting (the engine pushes a step's outputs from inside the step); the engine
 waits for `room()` before its next step, so the queue pushes back on it when Kafka lags. What queued up while
 the sender was busy goes out together: a topic's consecutive chunks become one `Chunks` record, so a busy
-worker sends one record per frontend per round instead of one per token. Rounds start at least `linger_s`
-apart (`--reply-linger-ms`, as Kafka's linger.ms): an engine stepping faster than that sends several steps'
-tokens in one record instead of one record per step, which is what the broker, the frontend's reader and its
-SSE writes pay for; what is put `urgent` (a first token, a lone sequence's tokens, anything of an engine
-stepping slower than the linger: workers/serving.py) and messages to other workers end the wait. A record the
-broker refuses is sent again behind what was queued since (docs/architecture.md, "stale producer metadata").
+worker sends one record per frontend per round instead of one per token, and in it a sequence's chunks are
+one. Rounds start at least `linger_s` apart (`--reply-linger-ms`, as Kafka's linger.ms): an engine stepping
+faster than that sends several steps' tokens in one record instead of one record per step, which is what the
+broker, the frontend's reader and its SSE writes pay for; what is put `urgent` (a first token, a lone
+sequence's tokens, anything of an engine stepping slower than the linger: workers/serving.py) and messages to
+other workers end the wait. A record the broker refuses is sent again behind what was queued since
+(docs/architecture.md, "stale producer metadata").
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def records(items: list[Outgoing | Reply]) -> list[Outgoing]:
         if not chunks:
             return
         for i in range(0, len(chunks), MAX_CHUNKS_PER_RECORD):
-            part = chunks[i : i + MAX_CHUNKS_PER_RECORD]
+            part = joined(chunks[i : i + MAX_CHUNKS_PER_RECORD])
             if len(part) == 1:
                 out.append(Outgoing(topic, part[0].request_id.encode(), request_encoder.encode(part[0])))
             else:
@@ -84,6 +85,54 @@ def records(items: list[Outgoing | Reply]) -> list[Outgoing]:
     for topic in list(groups):
         flush(topic)
     return out
+
+
+def joined(chunks: list[Chunk]) -> list[Chunk]:
+    """`chunks` with each sequence's consecutive ones joined into one, placed where its first was.
+
+    A record gathers about ten steps' tokens of each sequence (the linger); as one chunk each, the worker encodes
+    and the frontend decodes, checks and hands on one struct per sequence instead of one per token. What must stay
+    apart does: a chunk after an ending, an error, a sequence's first chunk with prompt logprobs (its head), and a
+    different attempt of the same request (it starts a run of its own, after the one before it).
+    """
+    runs: dict[str, list[Chunk]] = {}
+    order: list[list[Chunk]] = []
+    for c in chunks:
+        run = runs.get(c.request_id)
+        if run is not None:
+            last = run[-1]
+            if (
+                c.attempt == last.attempt
+                and c.seq == last.end
+                and last.finish_reason is None
+                and c.error is None
+                and c.prompt_logprobs is None
+            ):
+                run.append(c)
+                continue
+        runs[c.request_id] = run = [c]
+        order.append(run)
+    if len(order) == len(chunks):
+        return chunks
+    return [run[0] if len(run) == 1 else _join(run) for run in order]
+
+
+def _join(run: list[Chunk]) -> Chunk:
+    head, last = run[0], run[-1]
+    return Chunk(
+        request_id=head.request_id,
+        seq=head.seq,
+        token_ids=[t for c in run for t in c.token_ids],
+        text="".join([c.text for c in run]),
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        usage=last.usage,
+        worker_id=head.worker_id,
+        logprobs=[e for c in run for e in c.logprobs],
+        prompt_logprobs=head.prompt_logprobs,
+        attempt=head.attempt,
+        span=sum(c.span for c in run),
+    )
 
 
 class Outbox:

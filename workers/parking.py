@@ -39,7 +39,7 @@ def released(req: GenerateRequest, release: Release, worker_id: str) -> tuple[Ge
         generated_token_ids=[*req.generated_token_ids, *tokens],
         max_tokens=req.max_tokens - len(tokens),
         kv_from=release.kv_from,
-        seq_base=release.chunk.seq + 1,
+        seq_base=release.chunk.end,
     )
     first = msgspec.structs.replace(release.chunk, attempt=req.attempt, worker_id=worker_id)
     return run, first

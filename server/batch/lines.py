@@ -27,10 +27,11 @@ INTERRUPTED = frozenset({"worker_stopped", "engine_dead", "worker_died"})
 @dataclass
 class _Run:
     chunks: dict[int, Chunk] = field(default_factory=dict)
-    last_seq: int | None = None
+    end: int | None = None  # the seq after the run's last chunk, once that came
 
     def complete(self) -> bool:
-        return self.last_seq is not None and len(self.chunks) == self.last_seq + 1
+        # A chunk may carry several (`span`): the run is whole when the ones it has cover 0 to its end.
+        return self.end is not None and sum(c.span for c in self.chunks.values()) == self.end
 
 
 @dataclass
@@ -68,10 +69,10 @@ class ItemChunks:
             run = runs[chunk.worker_id] = _Run()
         run.chunks[chunk.seq] = chunk
         if chunk.finish_reason is not None:
-            run.last_seq = chunk.seq
+            run.end = chunk.end
         if not run.complete():
             return
-        ordered = [run.chunks[i] for i in range(len(run.chunks))]
+        ordered = [run.chunks[i] for i in sorted(run.chunks)]
         last = ordered[-1]
         if last.error is not None and last.error.code in INTERRUPTED:
             del runs[chunk.worker_id]

@@ -99,6 +99,17 @@ def test_an_interrupted_run_is_dropped_and_the_rerun_wins() -> None:
     assert (result.input_tokens, result.cached_tokens, result.output_tokens) == (5, 3, 2)
 
 
+def test_a_run_of_joined_chunks_is_whole_once_they_cover_it() -> None:
+    item = ItemChunks(first_offset=0)
+    item.add(0, Chunk("i/0", 3, [4], "d", finish_reason="stop", usage=ChunkUsage(5, 4), worker_id="w"))
+    item.add(0, Chunk("i/0", 0, [1, 2], "ab", worker_id="w", span=2))
+    assert not item.finished(1)  # chunk 2 is missing
+    item.add(0, Chunk("i/0", 2, [3], "c", worker_id="w"))
+    assert item.finished(1)
+    body = json.loads(build(_meta(), item, _Fmt()).body)  # type: ignore[arg-type]
+    assert body["choices"][0]["message"]["content"] == "abcd"
+
+
 def test_chunks_out_of_order_and_duplicated_make_one_answer() -> None:
     item = ItemChunks(first_offset=0)
     c1 = Chunk("i/1", 1, [2], "y", finish_reason="length", usage=ChunkUsage(5, 2), worker_id="w")

@@ -94,3 +94,22 @@ def test_a_replay_drops_what_the_live_stream_dropped_after_a_gap() -> None:
     live = stream()
     live.on_lost = lambda seq, why: None
     assert accepted(live, list(chunks)) == accepted(stream(), list(chunks)) == [(0, 0, [1]), (1, 1, [2])]
+
+
+def test_a_joined_chunk_counts_as_the_chunks_it_carries() -> None:
+    lost: list[str] = []
+    s = stream()
+    s.on_lost = lambda seq, why: lost.append(why.name)
+    chunks = [
+        Chunk(RID, 0, [1, 2, 3], span=3),
+        Chunk(RID, 2, [3]),  # one of those again (a replayed record): dropped
+        Chunk(RID, 3, [4, 5], span=2),
+        Chunk(RID, 5, [6], finish_reason="length"),
+    ]
+    assert accepted(s, chunks) == [(0, 0, [1, 2, 3]), (3, 0, [4, 5]), (5, 0, [6])]
+    assert s.sequences[RID].token_ids == [1, 2, 3, 4, 5, 6] and s.finished and not lost
+    # The chunk after a joined one is at its end, not at its seq + 1.
+    s = stream()
+    s.on_lost = lambda seq, why: lost.append(why.name)
+    accepted(s, [Chunk(RID, 0, [1, 2], span=2), Chunk(RID, 3, [4])])
+    assert lost == ["CHUNK_LOST"]
