@@ -221,6 +221,27 @@ class Release(msgspec.Struct, tag="release", frozen=True):
 RequestMessage = GenerateRequest | Cancel | LoadLora | UnloadLora | EngineControl | Release
 
 
+def joined_chunk(run: list[Chunk]) -> Chunk:
+    """A sequence's consecutive chunks as one: their tokens, text and logprobs in order, the first's `seq` and prompt
+    logprobs, the last's ending; it stands for as many chunks as they did."""
+    head, last = run[0], run[-1]
+    return Chunk(
+        request_id=head.request_id,
+        seq=head.seq,
+        token_ids=[t for c in run for t in c.token_ids],
+        text="".join([c.text for c in run]),
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        usage=last.usage,
+        error=last.error,
+        worker_id=head.worker_id,
+        logprobs=[e for c in run for e in c.logprobs],
+        prompt_logprobs=head.prompt_logprobs,
+        attempt=head.attempt,
+        span=sum(c.span for c in run),
+    )
+
+
 def chunks_of(message: ReplyMessage) -> list[Chunk]:
     """The chunks a reply record carries, in order."""
     return message.items if isinstance(message, Chunks) else [message]

@@ -26,7 +26,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import RecordMetadata
 
 from bus.doorbell import Doorbell
-from schemas.kafka import Chunk, Chunks, GenerateRequest, LoraAck, Release, request_encoder
+from schemas.kafka import Chunk, Chunks, GenerateRequest, LoraAck, Release, joined_chunk, request_encoder
 from workers.metrics import WorkerMetrics
 
 log = logging.getLogger("ferry.worker")
@@ -114,25 +114,7 @@ def joined(chunks: list[Chunk]) -> list[Chunk]:
         order.append(run)
     if len(order) == len(chunks):
         return chunks
-    return [run[0] if len(run) == 1 else _join(run) for run in order]
-
-
-def _join(run: list[Chunk]) -> Chunk:
-    head, last = run[0], run[-1]
-    return Chunk(
-        request_id=head.request_id,
-        seq=head.seq,
-        token_ids=[t for c in run for t in c.token_ids],
-        text="".join([c.text for c in run]),
-        finish_reason=last.finish_reason,
-        stop_reason=last.stop_reason,
-        usage=last.usage,
-        worker_id=head.worker_id,
-        logprobs=[e for c in run for e in c.logprobs],
-        prompt_logprobs=head.prompt_logprobs,
-        attempt=head.attempt,
-        span=sum(c.span for c in run),
-    )
+    return [run[0] if len(run) == 1 else joined_chunk(run) for run in order]
 
 
 class Outbox:

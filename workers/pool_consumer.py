@@ -32,7 +32,7 @@ from bus.epochs import metadata_age_ms
 from bus.read_spec import BATCH_FETCH_WAIT_MS, Batch, Hooks, Options, Poll, Subscribe
 from bus.reader import Reader
 from kvstore.batch_store import BatchStore
-from schemas.kafka import Chunk, GenerateRequest, PoolItem, pool_decoder
+from schemas.kafka import Chunk, GenerateRequest, PoolItem, joined_chunk, pool_decoder
 from schemas.names import pool_group, pool_pattern, pool_topic
 from schemas.settings import WorkerSettings
 from workers.engine import Engine
@@ -364,14 +364,8 @@ class PoolConsumer:
         if chunk.finish_reason is None:
             return None
         del self._partial[req.request_id]
-        return msgspec.structs.replace(
-            chunk,
-            seq=0,
-            token_ids=[t for c in parts for t in c.token_ids],
-            text="".join(c.text for c in parts),
-            logprobs=[e for c in parts for e in c.logprobs],
-            prompt_logprobs=parts[0].prompt_logprobs,
-        )
+        # The item's output as one chunk, numbered 0 and standing for itself alone, as the batch results take it.
+        return msgspec.structs.replace(joined_chunk(parts), seq=0, span=1)
 
     # ---- stopped batches -------------------------------------------------------------------------
 
