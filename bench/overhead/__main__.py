@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer", choices=PEERS, default=None,
                    help="measure Ferry, this peer, Ferry again (A/B/A) at each level instead of the Ferry-only "
                         "phases: `dynamo` (its frontend and mocker) or `ferry` (--peer-tree, --peer-args)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--peer: rounds alternating Ferry and the peer, Ferry first (default 3: A/B/A); the "
+                        "summary gives each level's medians and the ratio of each Ferry round to the peer's beside it")  # fmt: skip
     p.add_argument("--peer-tree", type=Path, default=None,
                    help="--peer ferry: the Ferry checkout to run as the peer (default this one)")  # fmt: skip
     p.add_argument("--peer-args", default="", help="--peer ferry: extra `ferry up` flags of the peer")
@@ -67,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--peer-tree and --peer-args need --peer ferry")
     if args.peer_tree is not None:
         args.peer_tree = args.peer_tree.resolve()
+    if args.rounds < 2 or (args.rounds != 3 and not peer):
+        p.error("--rounds needs --peer and at least 2 (one round of each system)")
     if args.ferry_args and not peer:
         p.error("--ferry-args needs --peer")
     if peer and args.profile is not None:

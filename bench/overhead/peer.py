@@ -1,6 +1,7 @@
 """`python -m bench.overhead --peer dynamo` (or `--peer ferry`): Ferry and a peer on the same cores, A/B/A.
 
-Three rounds, one system at a time: Ferry, the peer, Ferry again. Every round runs the same client
+`--rounds` rounds (default three), one system at a time, alternating: Ferry, the peer, Ferry, the peer, ...
+Every round runs the same client
 (`bench.sse_client`) at each `--concurrency` level with the same requests (`--prompt-words`-word prompts,
 `--max-tokens` tokens, `ignore_eos`), and reads the CPU seconds of every process of the system under test from
 /proc, reported per 1,000 streamed tokens. Each level runs on a freshly started system unless `--reuse-stack`.
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bench.overhead.measure import PhaseResult, chat_body, run_streams, served_model
+from bench.overhead.peer_summary import summary
 from bench.overhead.report import busy_percent, machine_info
 from bench.stack import CpuSnapshot, FerryStack, machine_busy_seconds, tree_cpu_seconds
 
@@ -59,13 +61,13 @@ class Round:
 
 
 def rounds(args: argparse.Namespace) -> list[Round]:
-    """Ferry, the peer, Ferry."""
+    """Ferry, the peer, Ferry, ... (`args.rounds` of them)."""
     ours = Round("ferry", "ferry", None, tuple(shlex.split(args.ferry_args)))
     if args.peer == "dynamo":
         peer = Round("dynamo", "dynamo")
     else:
         peer = Round("ferry (peer)", "ferry", args.peer_tree, tuple(shlex.split(args.peer_args)))
-    return [ours, peer, ours]
+    return [ours if i % 2 == 0 else peer for i in range(args.rounds)]
 
 
 async def start(r: Round, args: argparse.Namespace) -> System:
@@ -166,7 +168,9 @@ async def run_peer(args: argparse.Namespace) -> dict[str, Any]:
     machine = machine_info()
     machine["busy_before_start_percent"] = await busy_percent(1.0)
     runs = []
-    for i, r in enumerate(rounds(args)):
+    plan = rounds(args)
+    for i, r in enumerate(plan):
+        print(f"round {i + 1} of {len(plan)}: {r.label}", file=sys.stderr)
         runs.append({"round": i + 1, "system": r.label, "levels": await run_round(r, args)})
     return {
         "benchmark": "overhead-peer",
@@ -180,12 +184,14 @@ async def run_peer(args: argparse.Namespace) -> dict[str, Any]:
             "prompt_words": args.prompt_words,
             "concurrency": args.concurrency,
             "level_seconds": args.level_seconds,
+            "rounds": args.rounds,
             "requests_per_level": args.requests_per_level,
             "ferry_args": args.ferry_args,
             "fresh_system_per_level": not args.reuse_stack,
             "client": "bench.sse_client (asyncio.Protocol on uvloop, one keep-alive connection per stream)",
         },
         "rounds": runs,
+        "summary": summary(runs, len(args.concurrency)),
     }
 
 
@@ -200,12 +206,13 @@ def print_peer_table(results: dict[str, Any]) -> None:
     """The side-by-side table (Markdown) and CPU seconds per 1,000 streamed tokens per process."""
     runs = results["rounds"]
     ours = [r for r in runs if r["system"] == "ferry"]
-    peer = next(r for r in runs if r["system"] != "ferry")
-    name = peer["system"]
+    peers = [r for r in runs if r["system"] != "ferry"]
+    name = peers[0]["system"]
     m = results["machine"]
     print()
     print(
-        f"Ferry ({', '.join(str(r['round']) for r in ours)}) against {name} ({peer['round']}), "
+        f"Ferry (rounds {', '.join(str(r['round']) for r in ours)}) against {name} "
+        f"(rounds {', '.join(str(r['round']) for r in peers)}), "
         f"{results['config']['workers']} workers at speedup {results['config']['speedup']:g}, "
         f"{results['config']['prompt_words']}-word prompts, {results['config']['max_tokens']} tokens; commit "
         f"{(m['commit'] or '?')[:10]}{' (dirty)' if m['dirty'] else ''}, load average {m['loadavg_at_start']}"
@@ -213,7 +220,7 @@ def print_peer_table(results: dict[str, Any]) -> None:
     print()
     print(
         f"| streams | Ferry TTFT p50 / p99 (ms) | {name} TTFT p50 / p99 (ms) | Ferry tokens/s | {name} tokens/s "
-        f"| Ferry ÷ {name} tokens/s |"
+        f"| Ferry ÷ {name} tokens/s, pairs |"
     )
     print("| --- | --- | --- | --- | --- | --- |")
 
@@ -223,16 +230,28 @@ def print_peer_table(results: dict[str, Any]) -> None:
 
     for i, c in enumerate(results["config"]["concurrency"]):
         mine = [r["levels"][i] for r in ours]
-        theirs = peer["levels"][i]
-        ratios = [
-            f"{p['tokens_per_s'] / theirs['tokens_per_s']:.2f}×" if theirs["tokens_per_s"] else "–"
-            for p in mine
-        ]
-        tps = ", ".join(f"{p['tokens_per_s']:,.0f}" for p in mine)
+        theirs = [r["levels"][i] for r in peers]
+        ratios = ", ".join(f"{x:.2f}×" for x in results["summary"][i]["tokens_per_s_pair_ratios"]) or "–"
         print(
-            f"| {c} | {', '.join(ttft(p) for p in mine)} | {ttft(theirs)} "
-            f"| {tps} | {theirs['tokens_per_s']:,.0f} "
-            f"| {', '.join(ratios)} |"
+            f"| {c} | {', '.join(ttft(p) for p in mine)} | {', '.join(ttft(p) for p in theirs)} "
+            f"| {_tokens(mine)} | {_tokens(theirs)} | {ratios} |"
+        )
+    print()
+    print(f"Medians over the rounds (the last column: the median of each Ferry round ÷ the {name} round beside it):")
+    print()
+    print(
+        f"| streams | Ferry TTFT p50 / p99 (ms) | {name} TTFT p50 / p99 (ms) | Ferry tokens/s | {name} tokens/s "
+        f"| ratio of medians | median pair ratio | CPU per 1k tokens, Ferry / {name} |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in results["summary"]:
+        a, b = row["ferry"], row["other"]
+        print(
+            f"| {row['concurrency']} | {_num(a['ttft_p50_ms'])} / {_num(a['ttft_p99_ms'])} "
+            f"| {_num(b['ttft_p50_ms'])} / {_num(b['ttft_p99_ms'])} | {_num(a['tokens_per_s'], 0)} "
+            f"| {_num(b['tokens_per_s'], 0)} | {_num(row['tokens_per_s_ratio_of_medians'], 2)}× "
+            f"| {_num(row['tokens_per_s_pair_ratio_median'], 2)}× "
+            f"| {_num(a['cpu_s_per_1k_tokens'], 3)} / {_num(b['cpu_s_per_1k_tokens'], 3)} |"
         )
     print()
     print("CPU seconds per 1,000 streamed tokens:")
@@ -269,6 +288,10 @@ def print_peer_table(results: dict[str, Any]) -> None:
         print(
             f"WARNING: the machine was busy before the run ({busy:.0f}% of one core in use by other processes)"
         )
+
+
+def _tokens(levels: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{p['tokens_per_s']:,.0f}" for p in levels)
 
 
 def _num(v: float | None, digits: int = 1) -> str:
