@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3,
                    help="--peer: rounds alternating Ferry and the peer, Ferry first (default 3: A/B/A); the "
                         "summary gives each level's medians and the ratio of each Ferry round to the peer's beside it")  # fmt: skip
+    p.add_argument("--together", action="store_true",
+                   help="--peer ferry: each pair of rounds runs both Ferrys at the same time, each with its own "
+                        "clients, so both meet the same host (--rounds even: --rounds 6 is three pairs)")  # fmt: skip
     p.add_argument("--peer-tree", type=Path, default=None,
                    help="--peer ferry: the Ferry checkout to run as the peer (default this one)")  # fmt: skip
     p.add_argument("--peer-args", default="", help="--peer ferry: extra `ferry up` flags of the peer")
@@ -72,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.peer_tree = args.peer_tree.resolve()
     if args.rounds < 2 or (args.rounds != 3 and not peer):
         p.error("--rounds needs --peer and at least 2 (one round of each system)")
+    if args.together and (args.peer != "ferry" or args.rounds % 2):
+        p.error("--together needs --peer ferry and an even --rounds (each pair of rounds runs at once)")
     if args.ferry_args and not peer:
         p.error("--ferry-args needs --peer")
     if peer and args.profile is not None:

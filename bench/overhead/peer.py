@@ -1,6 +1,7 @@
 """`python -m bench.overhead --peer dynamo` (or `--peer ferry`): Ferry and a peer on the same cores, A/B/A.
 
-`--rounds` rounds (default three), one system at a time, alternating: Ferry, the peer, Ferry, the peer, ...
+`--rounds` rounds (default three), one system at a time, alternating: Ferry, the peer, Ferry, the peer, ... (with
+`--together`, see bench/overhead/together.py, each pair of rounds at the same time).
 Every round runs the same client
 (`bench.sse_client`) at each `--concurrency` level with the same requests (`--prompt-words`-word prompts,
 `--max-tokens` tokens, `ignore_eos`), and reads the CPU seconds of every process of the system under test from
@@ -27,7 +28,8 @@ from typing import Any, Protocol
 from bench.overhead.measure import PhaseResult, chat_body, run_streams, served_model
 from bench.overhead.peer_summary import summary
 from bench.overhead.report import busy_percent, machine_info
-from bench.stack import CpuSnapshot, FerryStack, machine_busy_seconds, tree_cpu_seconds
+from bench.sse_client import StreamStats
+from bench.stack import CpuSnapshot, CpuUsage, FerryStack, machine_busy_seconds, tree_cpu_seconds
 
 PEERS = ("dynamo", "ferry")
 # Dynamo's KV pool and batch limits, as `python -m bench.peers.dynamo run` sets them; Ferry's sim defaults
@@ -111,7 +113,13 @@ async def measure_level(
     stats, wall = await run_streams(
         system.host, system.port, c, args.requests_per_level, args.level_seconds, body
     )
-    cpu = FerryStack.usage(before, snapshot(pids))
+    return level_summary(label, c, stats, wall, FerryStack.usage(before, snapshot(pids)), args)
+
+
+def level_summary(
+    label: str, c: int, stats: list[StreamStats], wall: float, cpu: CpuUsage, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The phase summary of one system's level plus CPU seconds per 1,000 streamed tokens per process."""
     result = PhaseResult(f"{label} c={c}", c, stats, wall, cpu)
     summary = result.summary(args.max_tokens)
     tokens = result.tokens
@@ -168,10 +176,15 @@ async def run_peer(args: argparse.Namespace) -> dict[str, Any]:
     machine = machine_info()
     machine["busy_before_start_percent"] = await busy_percent(1.0)
     runs = []
-    plan = rounds(args)
-    for i, r in enumerate(plan):
-        print(f"round {i + 1} of {len(plan)}: {r.label}", file=sys.stderr)
-        runs.append({"round": i + 1, "system": r.label, "levels": await run_round(r, args)})
+    if args.together:
+        from bench.overhead.together import run_together
+
+        runs = await run_together(args)
+    else:
+        plan = rounds(args)
+        for i, r in enumerate(plan):
+            print(f"round {i + 1} of {len(plan)}: {r.label}", file=sys.stderr)
+            runs.append({"round": i + 1, "system": r.label, "levels": await run_round(r, args)})
     return {
         "benchmark": "overhead-peer",
         "command": " ".join(["python -m bench.overhead", *sys.argv[1:]]),
@@ -185,6 +198,7 @@ async def run_peer(args: argparse.Namespace) -> dict[str, Any]:
             "concurrency": args.concurrency,
             "level_seconds": args.level_seconds,
             "rounds": args.rounds,
+            "together": args.together,
             "requests_per_level": args.requests_per_level,
             "ferry_args": args.ferry_args,
             "fresh_system_per_level": not args.reuse_stack,

@@ -59,3 +59,10 @@ def test_the_summary_takes_medians_and_pairs_each_round_with_its_neighbour() -> 
     assert s["tokens_per_s_ratio_of_medians"] == round(26_000 / 22_500, 3)
     assert s["tokens_per_s_pair_ratios"] == [1.2, 1.0, 1.3]
     assert s["tokens_per_s_pair_ratio_median"] == 1.2
+
+
+def test_together_needs_a_ferry_peer_and_pairs_of_rounds() -> None:
+    assert parse_args(["--peer", "ferry", "--together", "--rounds", "4"]).together
+    for bad in (["--peer", "dynamo", "--together", "--rounds", "4"], ["--peer", "ferry", "--together"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
