@@ -16,13 +16,13 @@ from bench.routing import report
 from bench.routing.run import (
     add_workload_arguments,
     build_plan,
-    evaluate,
     knobs_from,
     machine_info,
     plan_settings_from,
     run_system,
 )
 from bench.routing.systems import SystemSpec, available_systems
+from bench.routing.targets import evaluate
 from bench.stack import run_cleanly
 
 REPO = Path(__file__).resolve().parents[2]

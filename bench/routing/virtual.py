@@ -30,16 +30,15 @@ from typing import Any, Protocol
 
 from bench.routing.client import ReplayResult, RequestResult
 from bench.routing.run import (
-    REFERENCE_POLICY,
     PlanItem,
     add_workload_arguments,
     build_plan,
-    evaluate,
     knobs_from,
     plan_settings_from,
     summarize,
 )
 from bench.routing.systems import EngineKnobs
+from bench.routing.targets import REFERENCE_POLICY, evaluate
 from bench.workload import WorkItem
 from schemas.kafka import GenerateRequest, SamplingParams
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
