@@ -10,8 +10,8 @@ import pytest
 from kvstore.hashing import block_hashes, chain_seed
 from schemas.kafka import KVFrom
 from schemas.kv_events import BlockStored
-from tests.unit import test_sim_engine as sim_tests
-from tests.unit.test_sim_engine import MODEL, MakeEngine, RecordingEngine, collect, drain, prompt, req
+from tests.unit import sim_support as sim_tests
+from tests.unit.sim_support import MODEL, MakeEngine, RecordingEngine, collect, drain, prompt, req
 from workers.engine_base import OutputStream
 from workers.sim import _Seq
 from workers.sim_transfer import admission, received_tokens, transfer_seconds
