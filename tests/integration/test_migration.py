@@ -284,8 +284,9 @@ async def test_worker_back_after_a_late_heartbeat_takes_its_own_sequence_over(
 
 
 def refuse_produce(w: RunningWorker, chunk_seq: int, times: int) -> list[str]:
-    """Make the worker's broker refuse the first reply chunk numbered `chunk_seq`, `times` times, the way
-    Tansu refuses a produce after an empty restart. Returns the request id it hit (once it has)."""
+    """Make the worker's broker refuse the first record carrying reply chunk `chunk_seq` (alone or joined with its
+    neighbours), `times` times, the way Tansu refuses a produce after an empty restart. Returns the request id it
+    hit (once it has)."""
     worker = w.worker
     producer = worker._producer
     assert producer is not None
@@ -298,7 +299,7 @@ def refuse_produce(w: RunningWorker, chunk_seq: int, times: int) -> list[str]:
             chunks = chunks_of(reply_decoder.decode(value))
         except msgspec.ValidationError:
             return await send(topic, value, **kw)
-        first = [c for c in chunks if not hit and c.seq == chunk_seq and c.attempt == 0]
+        first = [c for c in chunks if not hit and c.seq <= chunk_seq < c.end and c.attempt == 0]
         if (first or value in refused) and len(refused) < times:
             if first:
                 hit[:] = [first[0].request_id]
