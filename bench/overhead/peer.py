@@ -107,16 +107,27 @@ async def measure_level(
 ) -> dict[str, Any]:
     """One concurrency level: the phase summary plus CPU seconds per 1,000 streamed tokens per process."""
     print(f"{label} c={c} ({args.level_seconds:g} s) ...", file=sys.stderr)
-    body = functools.partial(chat_body, model, args.max_tokens, prompt_words=args.prompt_words)
     pids = system.pids
     before = snapshot(pids)
     stats, wall = await run_streams(
-        system.host, system.port, c, args.requests_per_level, args.level_seconds, body
+        system.host, system.port, c, args.requests_per_level, args.level_seconds, request_body(model, args)
     )
-    return level_summary(label, c, stats, wall, FerryStack.usage(before, snapshot(pids)), args)
+    return level_result(label, c, stats, wall, FerryStack.usage(before, snapshot(pids)), args)
 
 
-def level_summary(
+def request_body(model: str, args: argparse.Namespace) -> functools.partial[bytes]:
+    """The benchmark's request `i` for `model`: the same prompts and lengths for every system."""
+    return functools.partial(chat_body, model, args.max_tokens, prompt_words=args.prompt_words)
+
+
+async def warm(system: System, args: argparse.Namespace) -> str:
+    """A few unmeasured streams on a fresh system; returns the model it serves."""
+    model, _ = await served_model(system)  # type: ignore[arg-type]
+    await run_streams(system.host, system.port, 4, 40, 3.0, request_body(model, args))
+    return model
+
+
+def level_result(
     label: str, c: int, stats: list[StreamStats], wall: float, cpu: CpuUsage, args: argparse.Namespace
 ) -> dict[str, Any]:
     """The phase summary of one system's level plus CPU seconds per 1,000 streamed tokens per process."""
@@ -149,9 +160,7 @@ async def run_round(r: Round, args: argparse.Namespace) -> list[dict[str, Any]]:
                     await system.stop()
                     system = None
                 system = await start(r, args)
-                model, _ = await served_model(system)  # type: ignore[arg-type]
-                body = functools.partial(chat_body, model, args.max_tokens, prompt_words=args.prompt_words)
-                await run_streams(system.host, system.port, 4, 40, 3.0, body)  # warm, not measured
+                model = await warm(system, args)
             out.append(await measure_level(system, r.label, c, args, model))
     finally:
         if system is not None:

@@ -8,6 +8,7 @@ the median of each system's rounds and by the ratio of every round of ours to th
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -23,7 +24,7 @@ def adjacent_pairs(systems: list[str]) -> list[tuple[int, int]]:
     return pairs
 
 
-def _median(values: list[float | None]) -> float | None:
+def _median(values: Sequence[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
 
@@ -43,7 +44,7 @@ def level_summary(runs: list[dict[str, Any]], level: int) -> dict[str, Any]:
             "cpu_s_per_1k_tokens": _median([p["cpu_s_per_1k_tokens"]["system_total"] for p in levels]),
         }
     ours, theirs = by_system["ferry"], by_system[peer_name]
-    pair_ratios = []
+    pair_ratios: list[float] = []
     for i, j in adjacent_pairs(systems):
         a, b = runs[i]["levels"][level]["tokens_per_s"], runs[j]["levels"][level]["tokens_per_s"]
         if b:
@@ -57,7 +58,7 @@ def level_summary(runs: list[dict[str, Any]], level: int) -> dict[str, Any]:
             round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3) if theirs["tokens_per_s"] else None
         ),
         "tokens_per_s_pair_ratios": pair_ratios,
-        "tokens_per_s_pair_ratio_median": _median(list(pair_ratios)),
+        "tokens_per_s_pair_ratio_median": _median(pair_ratios),
     }
 
 

@@ -13,20 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import sys
 from typing import Any
 
-from bench.overhead.measure import chat_body, run_streams, served_model
-from bench.overhead.peer import Round, System, level_summary, rounds, snapshot, start
+from bench.overhead.measure import run_streams
+from bench.overhead.peer import Round, System, level_result, request_body, rounds, snapshot, start, warm
 from bench.stack import FerryStack
-
-
-async def _warm(system: System, args: argparse.Namespace) -> str:
-    model, _ = await served_model(system)  # type: ignore[arg-type]
-    body = functools.partial(chat_body, model, args.max_tokens, prompt_words=args.prompt_words)
-    await run_streams(system.host, system.port, 4, 40, 3.0, body)  # warm, not measured
-    return model
 
 
 async def _level(pair: list[Round], c: int, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -35,14 +27,11 @@ async def _level(pair: list[Round], c: int, args: argparse.Namespace) -> list[di
     try:
         for r in pair:
             systems.append(await start(r, args))
-        models = await asyncio.gather(*(_warm(s, args) for s in systems))
+        models = await asyncio.gather(*(warm(s, args) for s in systems))
         print(f"{' and '.join(r.label for r in pair)} together c={c} ({args.level_seconds:g} s) ...", file=sys.stderr)
         before = [snapshot(s.pids) for s in systems]
         runs = await asyncio.gather(*(
-            run_streams(
-                s.host, s.port, c, args.requests_per_level, args.level_seconds,
-                functools.partial(chat_body, m, args.max_tokens, prompt_words=args.prompt_words),
-            )
+            run_streams(s.host, s.port, c, args.requests_per_level, args.level_seconds, request_body(m, args))
             for s, m in zip(systems, models, strict=True)
         ))  # fmt: skip
         after = [snapshot(s.pids) for s in systems]
@@ -50,7 +39,7 @@ async def _level(pair: list[Round], c: int, args: argparse.Namespace) -> list[di
         await asyncio.gather(*(s.stop() for s in systems), return_exceptions=True)
     out = []
     for r, (stats, wall), a, b in zip(pair, runs, before, after, strict=True):
-        summary = level_summary(r.label, c, stats, wall, FerryStack.usage(a, b), args)
+        summary = level_result(r.label, c, stats, wall, FerryStack.usage(a, b), args)
         # The client drives both stacks: its CPU and the machine's other processes are not one system's.
         summary["together"] = True
         out.append(summary)

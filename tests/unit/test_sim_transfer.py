@@ -10,15 +10,24 @@ import pytest
 from kvstore.hashing import block_hashes, chain_seed
 from schemas.kafka import KVFrom
 from schemas.kv_events import BlockStored
-from tests.unit import sim_support as sim_tests
-from tests.unit.sim_support import MODEL, MakeEngine, RecordingEngine, collect, drain, prompt, req
+from tests.unit.sim_support import (
+    MODEL,
+    MakeEngine,
+    RecordingEngine,
+    collect,
+    drain,
+    make_engine,
+    prompt,
+    req,
+    tokenizer,
+)
 from workers.engine_base import OutputStream
 from workers.sim import _Seq
 from workers.sim_transfer import admission, received_tokens, transfer_seconds
 
-# The simulated engine's test fixtures (a small in-memory tokenizer, engines stopped after the test).
-tokenizer = sim_tests.tokenizer
-make_engine = sim_tests.make_engine
+# The simulated engine's test fixtures (a small in-memory tokenizer, engines stopped after the test), imported so
+# pytest finds them here.
+__all__ = ["make_engine", "tokenizer"]
 
 
 class KindsEngine(RecordingEngine):
