@@ -77,13 +77,14 @@ def systems(
 def ferry_flags(args: argparse.Namespace) -> list[str]:
     """The `ferry up` flags every Ferry system of a run shares."""
     return ["--num-blocks", str(args.num_blocks), "--disagg-min-uncached-tokens", str(args.min_uncached),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens), *shlex.split(args.ferry_args)]  # fmt: skip
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs", str(args.max_num_seqs),
+            *shlex.split(args.ferry_args)]  # fmt: skip
 
 
 def dynamo_knobs(args: argparse.Namespace, kv_bytes_per_token: int) -> list[str]:
     """Dynamo's mocker flags for Ferry's sim knobs (and its KV bytes per token and link)."""
     return ["--speedup-ratio", repr(args.speedup), "--block-size", "64", "--num-gpu-blocks-override",
-            str(args.num_blocks), "--max-num-seqs", "256", "--max-num-batched-tokens",
+            str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
             str(args.max_num_batched_tokens), "--kv-transfer-bandwidth", "64", "--kv-bytes-per-token",
             str(kv_bytes_per_token)]  # fmt: skip
 
@@ -248,6 +249,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=8192,
         help="token budget per engine step, both systems (a prompt longer than it is prefilled in chunks)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-num-seqs", type=int, default=256,
+        help="sequences per engine step, both systems (on a decode worker it bounds the step, so ITL)",
     )  # fmt: skip
     p.add_argument("--host-blocks", default="0",
                    help="host tier sizes in blocks per worker, comma-separated: every Ferry system once per size (0: off)")  # fmt: skip

@@ -84,11 +84,13 @@ def test_bounds_grow_with_the_cache_up_to_the_infinite_one() -> None:
 
 def test_both_systems_get_the_same_step_budget() -> None:
     args = argparse.Namespace(
-        num_blocks=4096, min_uncached=0, max_num_batched_tokens=512, speedup=0.2, ferry_args="--overlap-weight 2"
-    )
+        num_blocks=4096, min_uncached=0, max_num_batched_tokens=512, max_num_seqs=4, speedup=0.2,
+        ferry_args="--overlap-weight 2",
+    )  # fmt: skip
     ferry, dynamo = ferry_flags(args), dynamo_knobs(args, 23040)
     for flags in (ferry, dynamo):
         assert flags[flags.index("--max-num-batched-tokens") + 1] == "512"
+        assert flags[flags.index("--max-num-seqs") + 1] == "4"
     assert dynamo[dynamo.index("--num-gpu-blocks-override") + 1] == ferry[ferry.index("--num-blocks") + 1]
     assert ferry[-2:] == ["--overlap-weight", "2"]  # --ferry-args: Ferry's systems only
 
