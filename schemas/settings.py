@@ -20,6 +20,7 @@ from schemas.status import WorkerRole
 ENV_PREFIX = "FERRY_"
 
 RouterPolicy = Literal["kv", "round_robin", "random", "least_loaded"]
+KVLookup = Literal["mirror", "redis"]
 DecodeLoad = Literal["distinct", "sequences"]
 DisaggFirstToken = Literal["decode", "prefill"]
 EngineName = Literal["sim", "vllm"]
@@ -197,6 +198,13 @@ class RouterSettings:
         default=True,
         metadata=_help(
             "kv: use the workers' KV events in Redis; --no-kv-events = the router's own decisions"
+        ),
+    )
+    kv_lookup: KVLookup = dataclasses.field(
+        default="mirror",
+        metadata=_help(
+            "kv: where a route's cached prefixes are read: mirror = this frontend's copy of the KV log once it "
+            "has caught up (no round trip; Redis until then and without --kv-log), redis = the index in Redis"
         ),
     )
     approx_ttl_s: float = dataclasses.field(

@@ -18,7 +18,8 @@ charges every sequence all its blocks in full; on the conversation trace it lost
 hits and had a worse TTFT at every rate (docs/benchmarks.md, Routing), so it stays an option.
 
 overlap(w) counts a block on w's device pool as 1 and one only on its host offload tier (it must be loaded back
-first) as `host_block_weight` (0.75, Dynamo's default); it is the larger of what the KV index says w caches and (`inflight_overlap`, default) the leading
+first) as `host_block_weight` (0.75, Dynamo's default); it is the larger of what the KV index says w caches (`kv_lookup`:
+this frontend's copy of the KV log once it has caught up, by default, else the index in Redis) and (`inflight_overlap`, default) the leading
 blocks of the prompt that sequences this frontend sent to w are holding, and of those that sequences it saw
 finish on w in the last RECENT_S left behind: the index hears of a prompt's blocks only once the engine has
 prefilled them and the worker has published the event, and a conversation's next turn or a burst on one
@@ -106,9 +107,11 @@ class PromptMemo:
 
 
 class Standby(Protocol):
-    """A copy of the KV index the router asks instead while the index is incomplete or unreachable."""
+    """A copy of the KV index (the KV log's, server/kv_indexer.py): asked first once it has caught up with the
+    log (`kv_lookup` mirror), and instead of the index while the index is incomplete or unreachable."""
 
     rebuilding: bool
+    caught_up: bool
 
     def overlaps(self, model: str, chain: list[int]) -> dict[str, tuple[int, int]]:
         """As `KVIndex.tiered_overlaps`."""
@@ -152,7 +155,10 @@ class Router:
         # This frontend's sequences that produced a token (running in their engine), per worker.
         self.running: dict[str, dict[int, Decision]] = {}
         self.index_ok = True
-        # The KV log's copy of the index (server/kv_indexer.py): answers while Redis lost or cannot reach it.
+        # The KV log's copy of the index (server/kv_indexer.py). Asked first once caught up: the same blocks as the
+        # index in Redis, a few milliseconds later, without the round trip that took ~5 ms of a request's TTFT
+        # at 16 streams on two cores (docs/benchmarks.md, "Overhead"); and instead of the index while Redis lost
+        # it or cannot be reached.
         self.standby: Standby | None = None
         self._index_failed_at = -math.inf
         self._index_recovery_s = index_recovery_s
@@ -255,7 +261,9 @@ class Router:
             return {w: (n, 0) for w, n in self.approx.overlaps(model, chain, self._clock()).items()}
         if self._index is None or not chain:
             return {}
-        if self.standby is not None and self.standby.rebuilding:
+        if self.standby is not None and (
+            self.standby.rebuilding or (self.config.kv_lookup == "mirror" and self.standby.caught_up)
+        ):
             return self.standby.overlaps(model, chain)
         t0 = time.perf_counter()
         try:

@@ -20,6 +20,8 @@ FERRY_POLICIES: list[tuple[str, list[str]]] = [
     ("ferry kv", ["--router-policy", "kv", "--kv-events"]),
     ("ferry kv-index-only", ["--router-policy", "kv", "--kv-events", "--no-inflight-overlap"]),
     ("ferry kv-sequences", ["--router-policy", "kv", "--kv-events", "--decode-load", "sequences"]),
+    # Cached prefixes read from the index in Redis (one round trip per route), not the frontend's mirror.
+    ("ferry kv-redis", ["--router-policy", "kv", "--kv-events", "--kv-lookup", "redis"]),
     ("ferry kv-approx", ["--router-policy", "kv", "--no-kv-events"]),
     # Prefill work (queued and new) weighed 2x / 4x against decode load: TTFT is prefill wait.
     ("ferry kv-w2", ["--router-policy", "kv", "--kv-events", "--overlap-weight", "2"]),

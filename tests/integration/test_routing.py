@@ -105,7 +105,8 @@ async def test_redis_stopped_and_restarted(kafka: str, prefix: str, model_path: 
     redis_child, url = await start_redis(port)
     async with harness(kafka, url, prefix, model_path) as hh:
         w = await hh.add_worker()
-        fe, base = await hh.add_frontend()
+        # The lookups in Redis are what notice the outage: the default reads the frontend's copy of the KV log.
+        fe, base = await hh.add_frontend(kv_lookup="redis")
         async with httpx.AsyncClient(base_url=base, timeout=30) as c:
             await _complete(c, _prompt(1, 200))
             await redis_child.stop()

@@ -123,7 +123,8 @@ def test_the_mirror_answers_lookups_like_the_index() -> None:
 
 class _Standby:
     def __init__(self, mirror: KVMirror, rebuilding: bool) -> None:
-        self.mirror, self.rebuilding = mirror, rebuilding
+        # Not caught up with the log: outside a rebuild or an outage the index in Redis answers.
+        self.mirror, self.rebuilding, self.caught_up = mirror, rebuilding, False
 
     def overlaps(self, model: str, chain: list[int]) -> dict[str, tuple[int, int]]:
         return self.mirror.overlaps(chain, ["a", "b"])

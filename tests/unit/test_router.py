@@ -95,16 +95,32 @@ async def test_kv_counts_host_tier_blocks_at_their_weight(host: int, weight: flo
 
 
 class FakeStandby:
-    """The KV log's copy of the index: answers with its own holders; the marker it last read is `marker`."""
+    """The KV log's copy of the index: answers with its own holders; the marker it last read is `marker`; not
+    caught up with the log unless said."""
 
-    def __init__(self, held: dict[str, int], marker: str | None) -> None:
-        self.held, self.marker, self.rebuilding = held, marker, False
+    def __init__(self, held: dict[str, int], marker: str | None, caught_up: bool = False) -> None:
+        self.held, self.marker, self.rebuilding, self.caught_up = held, marker, False, caught_up
 
     def overlaps(self, model: str, chain: list[int]) -> dict[str, tuple[int, int]]:
         return {w: (n, 0) for w, n in self.held.items()}
 
     def marker_changed(self, marker: str | None) -> bool:
         return marker != self.marker
+
+
+@pytest.mark.parametrize(
+    ("lookup", "caught_up", "from_redis"),
+    [("mirror", True, False), ("mirror", False, True), ("redis", True, True)],
+    ids=["mirror-caught-up", "mirror-catching-up", "redis"],
+)
+async def test_a_caught_up_copy_answers_without_a_round_trip(lookup: str, caught_up: bool, from_redis: bool) -> None:
+    # The index in Redis and the copy disagree, so the answer shows which one was asked.
+    idx = FakeIndex({"a": 8})
+    r = _router(index=idx, kv_lookup=lookup)
+    r.standby = FakeStandby({"b": 6}, marker="m0", caught_up=caught_up)
+    d = await r.choose("m", [_w("a"), _w("b")], PromptMemo(PROMPT))
+    assert idx.calls == int(from_redis)
+    assert (d.worker_id, d.predicted_cached_blocks) == (("a", 8) if from_redis else ("b", 6))
 
 
 @pytest.mark.parametrize("marker", ["m0", "m1", None], ids=["same", "new", "missing"])
