@@ -156,9 +156,9 @@ class Router:
         self.running: dict[str, dict[int, Decision]] = {}
         self.index_ok = True
         # The KV log's copy of the index (server/kv_indexer.py). Asked first once caught up: the same blocks as the
-        # index in Redis, a few milliseconds later, without the round trip that took ~5 ms of a request's TTFT
-        # at 16 streams on two cores (docs/benchmarks.md, "Overhead"); and instead of the index while Redis lost
-        # it or cannot be reached.
+        # index in Redis, up to ~0.1 s later (which the in-flight and recent overlaps cover), with no round trip
+        # that waits for Redis to get a core (docs/benchmarks.md, "Overhead"); and instead of the index while
+        # Redis lost it or cannot be reached.
         self.standby: Standby | None = None
         self._index_failed_at = -math.inf
         self._index_recovery_s = index_recovery_s

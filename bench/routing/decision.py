@@ -3,8 +3,10 @@
 `python -m bench.routing.decision` (or `python -m bench.routing decision`) starts a throwaway Redis on loopback, fills Ferry's KV index
 (`kvstore.kv_index.KVIndex`) with 1,000,000 (worker, block) entries in the shape a busy cluster has, and
 times `server.router.Router.choose` for the `kv` policy, one decision at a time, from the prompt's token ids to
-the chosen worker: block hashing, the one-round-trip index lookup (a Lua script) and the cost function over 64
-workers. It reports p50/p90/p99/max overall and per kind of prompt, and the lookup alone.
+the chosen worker: block hashing, the index lookup and the cost function over 64 workers. The lookup is the
+router's default (`--lookup mirror`: the frontend's copy of the KV log, a `kvstore.kv_mirror.KVMirror` filled
+with the same blocks, in process) or the index in Redis (`--lookup redis`: one round trip, a Lua script). It
+reports p50/p90/p99/max overall and per kind of prompt, and the lookup alone.
 
 The index holds:
 - `shared_prefixes` system prompts of `shared_blocks` blocks, each cached on every worker (the widest walk:
@@ -44,7 +46,42 @@ MODEL = "bench-model"
 TARGET_P99_MS = 2.0
 
 
-def _kv_router(client: Any, prefix: str) -> tuple[Any, Callable[..., Awaitable[Any]], Any]:
+class _Mirrored:
+    """The KV index in Redis, and the blocks stored there per worker (for the mirror's snapshots)."""
+
+    def __init__(self, index: Any) -> None:
+        self.index = index
+        self.blocks: dict[str, list[int]] = {}
+
+    async def apply(self, worker_id: str, model: str, batch: Any) -> None:
+        await self.index.apply(worker_id, model, batch)
+        for ev in batch.events:
+            self.blocks.setdefault(worker_id, []).extend(ev.block_hashes)
+
+
+class _CaughtUpCopy:
+    """The frontend's copy of the KV log (server/kv_indexer.py) once caught up: a KVMirror of every worker."""
+
+    rebuilding = False
+    caught_up = True
+
+    def __init__(self, blocks: dict[str, list[int]]) -> None:
+        from kvstore.kv_mirror import KVMirror
+        from schemas.kv_events import KVLogRecord
+
+        self.mirror = KVMirror()
+        for wid, held in blocks.items():
+            self.mirror.apply(KVLogRecord(wid, 1.0, 1, time.time(), snapshot=True, device=held))
+        self._workers = list(blocks)
+
+    def overlaps(self, model: str, chain: list[int]) -> dict[str, tuple[int, int]]:
+        return self.mirror.overlaps(chain, self._workers) if model == MODEL else {}
+
+    def marker_changed(self, marker: str | None) -> bool:
+        return False
+
+
+def _kv_router(client: Any, prefix: str, lookup: str) -> tuple[Any, Callable[..., Awaitable[Any]], Any]:
     """(index, choose(workers, tokens) -> Decision, router) built from Ferry's own classes."""
     from kvstore.kv_index import KVIndex
     from schemas.names import RedisKeys
@@ -53,7 +90,7 @@ def _kv_router(client: Any, prefix: str) -> tuple[Any, Callable[..., Awaitable[A
     from server.router import PromptMemo, Router
 
     index = KVIndex(client, RedisKeys(prefix))
-    router = Router(RouterSettings(router_policy="kv"), FrontendMetrics(), index=index)
+    router = Router(RouterSettings(router_policy="kv", kv_lookup=lookup), FrontendMetrics(), index=index)  # type: ignore[arg-type]
 
     async def choose(workers: list[Any], tokens: list[int]) -> Any:
         return await router.choose(MODEL, workers, PromptMemo(tokens))
@@ -150,13 +187,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     child, url = await start_redis()
     client = aioredis.Redis.from_url(url)
     try:
-        index, choose, router = _kv_router(client, "bench:")
+        index, choose, router = _kv_router(client, "bench:", args.lookup)
         workers = _workers(args.workers, args.block_size)
         tokens = _Tokens(args.block_size, args.seed)
         t0 = time.perf_counter()
         load_before = os.getloadavg()
-        shared, conversations, entries = await _fill(index, tokens, args, [w.worker_id for w in workers])
+        filled = _Mirrored(index)
+        shared, conversations, entries = await _fill(filled, tokens, args, [w.worker_id for w in workers])
         fill_s = time.perf_counter() - t0
+        copy = _CaughtUpCopy(filled.blocks)
+        if args.lookup == "mirror":
+            router.standby = copy
+        del filled
         info = await client.info("memory")
         rng = np.random.Generator(np.random.PCG64(args.seed + 2))
 
@@ -171,6 +213,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         kinds = ("turn", "shared", "miss")
         samples: dict[str, list[float]] = {k: [] for k in kinds}
         lookups: list[float] = []
+        mirror_lookups: list[float] = []
         hashing: list[float] = []
         overlaps_seen: dict[str, list[int]] = {k: [] for k in kinds}
         inflight: deque[Any] = deque()
@@ -204,6 +247,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     t = time.perf_counter()
                     await index.overlaps(MODEL, chain)
                     lookups.append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    copy.overlaps(MODEL, chain)
+                    mirror_lookups.append(time.perf_counter() - t)
         stats = await client.info("commandstats")
         evalsha = stats.get("cmdstat_evalsha", {})
         every = [x for k in kinds for x in samples[k]]
@@ -232,6 +278,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 for k, v in samples.items()
             },
             "index_lookup_alone": _stats(lookups),
+            "mirror_lookup_alone": _stats(mirror_lookups),
             # Work, not waiting: the frontend thread's CPU per decision, and Redis's time per lookup script
             # (both leave out the time other processes on a shared machine hold the cores).
             "frontend_cpu_per_decision": _stats(cpu),
@@ -259,6 +306,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decisions", type=int, default=3000)
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lookup", choices=["mirror", "redis"], default="mirror",
+                   help="where the router reads cached prefixes (its --kv-lookup)")  # fmt: skip
     p.add_argument(
         "--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "routing_decision.json"
     )
@@ -273,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run_cleanly(run(args), uv=True)
     d = res["decision"]
     print(
-        f"router decision ({res['config']['workers']} workers, {res['index']['entries']:,} index entries, "
+        f"router decision, --lookup {res['config']['lookup']} ({res['config']['workers']} workers, {res['index']['entries']:,} index entries, "
         f"Redis {res['index']['redis_used_memory_mib']} MiB): p50 {d['p50_ms']:.3f} ms, p90 {d['p90_ms']:.3f} ms, "
         f"p99 {d['p99_ms']:.3f} ms, max {d['max_ms']:.3f} ms -> {res['result']} ({res['target']})"
     )
@@ -289,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     lk = res["index_lookup_alone"]
     hs = res["block_hashing_alone"]
-    print(f"  index lookup alone: p50 {lk['p50_ms']:.3f}  p99 {lk['p99_ms']:.3f} ms")
+    ml = res["mirror_lookup_alone"]
+    print(f"  lookups alone: Redis p50 {lk['p50_ms']:.3f}  p99 {lk['p99_ms']:.3f} ms; mirror p50 {ml['p50_ms']:.3f}  "
+          f"p99 {ml['p99_ms']:.3f} ms (the router asked: {res['config']['lookup']})")  # fmt: skip
     print(f"  block hashing alone: p50 {hs['p50_ms']:.3f}  p99 {hs['p99_ms']:.3f} ms")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2) + "\n")
