@@ -210,7 +210,7 @@ async def start_frontend(settings: FrontendSettings, metrics: FrontendMetrics) -
         if s.kv_log and s.kv_events:
             indexer = KVIndexer(s, redis, keys, index, lambda: pool.workers, metrics)
             await indexer.start()
-            router.standby = indexer  # answers the router while the index is rebuilt or unreachable
+            router.standby = indexer  # answers the router once caught up (--kv-lookup mirror), and while Redis lost the index or is unreachable
             stack.push_async_callback(_timed, "KV indexer", indexer.stop)
         await ensure_topics(s.kafka, {acks.topic: 1}, short)  # with its retention, before the reader makes it
         await acks.start()

@@ -13,7 +13,7 @@ from kvstore.hashing import block_hashes, chain_seed
 from kvstore.kv_index import KVIndex
 from launch.services import free_port, start_redis
 from schemas.names import RedisKeys
-from tests.harness import Harness, harness, worker_process
+from tests.harness import Harness, harness, until, worker_process
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +46,32 @@ async def test_shared_prefix_goes_to_its_holder_and_is_reported_cached(h: Harnes
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 640
         other = await _complete(c, _prompt(99, 640))
         assert other.headers["x-ferry-predicted-cached-blocks"] == "0"
+
+
+async def test_a_prefix_served_through_one_frontend_is_routed_to_its_holder_by_another(h: Harness) -> None:
+    # The second frontend never saw the first request: only its copy of the KV log can tell it where the
+    # prefix is (the default --kv-lookup mirror; nothing in flight or recently finished there).
+    for _ in range(4):
+        await h.add_worker()
+    _fe1, url1 = await h.add_frontend()
+    fe2, url2 = await h.add_frontend()
+    shared = _prompt(11, 640)  # 10 blocks of 64
+    chain = block_hashes(shared, 64, chain_seed(MODEL))
+    async with httpx.AsyncClient(base_url=url1, timeout=30) as c1:
+        holder = (await _complete(c1, shared + _prompt(12, 50))).headers["x-ferry-worker"]
+    indexer = fe2.indexer
+    assert indexer is not None
+
+    async def mirrored() -> bool:
+        return indexer.caught_up and indexer.overlaps(MODEL, chain).get(holder) == (10, 0)
+
+    await until(mirrored, timeout_s=10)
+    assert fe2.svc.router.recent is not None and not fe2.svc.router.recent.overlaps(MODEL, chain)
+    async with httpx.AsyncClient(base_url=url2, timeout=30) as c2:
+        r = await _complete(c2, shared + _prompt(13, 50))
+    assert r.headers["x-ferry-worker"] == holder
+    assert r.headers["x-ferry-predicted-cached-blocks"] == "10"
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 640
 
 
 async def test_two_frontends_share_load(h: Harness) -> None:
