@@ -113,6 +113,9 @@ def summary(r: ReplayResult, workers: int) -> dict[str, Any]:
     itl = [g * 1000 for x in ok for g in x.itls]
     # The gap after the first token: a disaggregated sequence's hand-off to its decode worker.
     first_gap = [x.itls[0] * 1000 for x in ok if x.itls]
+    # Every gap after it: decode steps as delivered, whose spread around the step lengths sets ITL p90 when the
+    # p90 sits on one step length (docs/benchmarks.md, "The same with the decode batch capped").
+    decode_gaps = [g * 1000 for x in ok for g in x.itls[1:]]
     tokens = sum(x.completion_tokens for x in ok)
     prompt = sum(x.prompt_tokens for x in ok)
     return {
@@ -120,6 +123,8 @@ def summary(r: ReplayResult, workers: int) -> dict[str, Any]:
         "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9),
         "itl_p50_ms": pct(itl, 0.5), "itl_p90_ms": pct(itl, 0.9), "itl_p99_ms": pct(itl, 0.99),
         "first_gap_p50_ms": pct(first_gap, 0.5), "first_gap_p90_ms": pct(first_gap, 0.9),
+        "decode_gap_p10_ms": pct(decode_gaps, 0.1), "decode_gap_p50_ms": pct(decode_gaps, 0.5),
+        "decode_gap_p90_ms": pct(decode_gaps, 0.9),
         "output_tok_s_per_worker": tokens / r.wall_s / workers if r.wall_s else None,
         "cached_fraction": round(sum(x.cached_tokens for x in ok) / prompt, 4) if prompt else None,
         # Requests per (first) worker: an uneven spread shows up here, not in the percentiles.

@@ -6,10 +6,10 @@ import argparse
 
 import pytest
 
-from bench.disagg.__main__ import dynamo_knobs, ferry_flags, long_prompt_workload, pct, systems
+from bench.disagg.__main__ import dynamo_knobs, ferry_flags, long_prompt_workload, pct, summary, systems
 from bench.disagg.flow import decode_flow, decoding_at_once, first_token_cv
 from bench.disagg.tiers import bounds, gap_closed, host_tier_verdicts
-from bench.routing.client import RequestResult
+from bench.routing.client import ReplayResult, RequestResult
 
 
 def test_long_prompt_workload_has_unrelated_prompts_of_the_asked_length() -> None:
@@ -114,3 +114,15 @@ def test_decode_flow_tells_bursty_hand_offs_from_even_ones() -> None:
     assert flow["decoding_mean"] > decode_flow(even)["decoding_mean"]  # type: ignore[operator]
     assert decoding_at_once(bursty)[3] == pytest.approx(2.6 / 3.4)  # three at once most of the busy time
     assert first_token_cv(even[:2]) is None and decode_flow([])["decoding_mean"] is None
+
+
+def test_decode_gaps_leave_out_the_hand_off() -> None:
+    # Hand-offs of 100 ms, then decode steps of 30 and 40 ms: the decode gaps are the steps alone.
+    results = [
+        RequestResult(i, 0.0, 0.0, ok=True, ttft=0.5, itls=[0.1, 0.03, 0.04, 0.03, 0.04], completion_tokens=6)
+        for i in range(5)
+    ]
+    s = summary(ReplayResult(results, wall_s=2.0, not_sent=0), workers=1)
+    assert s["decode_gap_p10_ms"] == pytest.approx(30.0)
+    assert s["decode_gap_p90_ms"] == pytest.approx(40.0)
+    assert s["first_gap_p50_ms"] == pytest.approx(100.0)
