@@ -36,52 +36,48 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from bench.stack import run_cleanly
+
+if TYPE_CHECKING:
+    from schemas.settings import KVLookup
 
 MODEL = "bench-model"
 TARGET_P99_MS = 2.0
 
 
 class _Mirrored:
-    """The KV index in Redis, and the blocks stored there per worker (for the mirror's snapshots)."""
-
-    def __init__(self, index: Any) -> None:
-        self.index = index
-        self.blocks: dict[str, list[int]] = {}
-
-    async def apply(self, worker_id: str, model: str, batch: Any) -> None:
-        await self.index.apply(worker_id, model, batch)
-        for ev in batch.events:
-            self.blocks.setdefault(worker_id, []).extend(ev.block_hashes)
-
-
-class _CaughtUpCopy:
-    """The frontend's copy of the KV log (server/kv_indexer.py) once caught up: a KVMirror of every worker."""
+    """The KV index in Redis, and beside it the frontend's copy of the KV log (server/kv_indexer.py) fed the same
+    events and caught up: what the router asks with `--lookup mirror` (its `Standby`)."""
 
     rebuilding = False
     caught_up = True
 
-    def __init__(self, blocks: dict[str, list[int]]) -> None:
+    def __init__(self, index: Any) -> None:
         from kvstore.kv_mirror import KVMirror
+
+        self.index = index
+        self.mirror = KVMirror()
+        self._seq: dict[str, int] = {}  # each worker's last KV log record
+
+    async def apply(self, worker_id: str, model: str, batch: Any) -> None:
         from schemas.kv_events import KVLogRecord
 
-        self.mirror = KVMirror()
-        for wid, held in blocks.items():
-            self.mirror.apply(KVLogRecord(wid, 1.0, 1, time.time(), snapshot=True, device=held))
-        self._workers = list(blocks)
+        await self.index.apply(worker_id, model, batch)
+        seq = self._seq[worker_id] = self._seq.get(worker_id, 0) + 1
+        self.mirror.apply(KVLogRecord(worker_id, 1.0, seq, batch.ts, events=list(batch.events)))
 
     def overlaps(self, model: str, chain: list[int]) -> dict[str, tuple[int, int]]:
-        return self.mirror.overlaps(chain, self._workers) if model == MODEL else {}
+        return self.mirror.overlaps(chain, self.mirror.workers.keys()) if model == MODEL else {}
 
     def marker_changed(self, marker: str | None) -> bool:
         return False
 
 
-def _kv_router(client: Any, prefix: str, lookup: str) -> tuple[Any, Callable[..., Awaitable[Any]], Any]:
+def _kv_router(client: Any, prefix: str, lookup: KVLookup) -> tuple[Any, Callable[..., Awaitable[Any]], Any]:
     """(index, choose(workers, tokens) -> Decision, router) built from Ferry's own classes."""
     from kvstore.kv_index import KVIndex
     from schemas.names import RedisKeys
@@ -90,7 +86,7 @@ def _kv_router(client: Any, prefix: str, lookup: str) -> tuple[Any, Callable[...
     from server.router import PromptMemo, Router
 
     index = KVIndex(client, RedisKeys(prefix))
-    router = Router(RouterSettings(router_policy="kv", kv_lookup=lookup), FrontendMetrics(), index=index)  # type: ignore[arg-type]
+    router = Router(RouterSettings(router_policy="kv", kv_lookup=lookup), FrontendMetrics(), index=index)
 
     async def choose(workers: list[Any], tokens: list[int]) -> Any:
         return await router.choose(MODEL, workers, PromptMemo(tokens))
@@ -192,13 +188,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         tokens = _Tokens(args.block_size, args.seed)
         t0 = time.perf_counter()
         load_before = os.getloadavg()
-        filled = _Mirrored(index)
-        shared, conversations, entries = await _fill(filled, tokens, args, [w.worker_id for w in workers])
+        copy = _Mirrored(index)
+        shared, conversations, entries = await _fill(copy, tokens, args, [w.worker_id for w in workers])
         fill_s = time.perf_counter() - t0
-        copy = _CaughtUpCopy(filled.blocks)
         if args.lookup == "mirror":
             router.standby = copy
-        del filled
         info = await client.info("memory")
         rng = np.random.Generator(np.random.PCG64(args.seed + 2))
 

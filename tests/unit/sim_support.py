@@ -69,21 +69,23 @@ class CrashingEngine(SimEngine):
 
 MakeEngine = Callable[..., Awaitable[RecordingEngine]]
 
+# A small, fast simulated engine: what the sim tests' engines start from (their overrides on top).
+SMALL_ENGINE: dict[str, Any] = {
+    "speedup": 1e9,
+    "block_size": 16,
+    "num_blocks": 256,
+    "max_model_len": 1024,
+    "min_output_tokens": 4,
+    "max_output_tokens": 24,
+}
+
 
 @pytest.fixture
 async def make_engine(tokenizer: Tokenizer) -> AsyncIterator[MakeEngine]:
     engines: list[SimEngine] = []
 
     async def make(engine_cls: type[SimEngine] = RecordingEngine, **overrides: Any) -> Any:
-        settings: dict[str, Any] = {
-            "speedup": 1e9,
-            "block_size": 16,
-            "num_blocks": 256,
-            "max_model_len": 1024,
-            "min_output_tokens": 4,
-            "max_output_tokens": 24,
-        }
-        engine = engine_cls(MODEL, tokenizer, SimConfig(**(settings | overrides)), eos_token_id=EOS)
+        engine = engine_cls(MODEL, tokenizer, SimConfig(**(SMALL_ENGINE | overrides)), eos_token_id=EOS)
         await engine.start()
         engines.append(engine)
         return engine

@@ -13,6 +13,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from schemas.kafka import GenerateRequest, SamplingParams, StructuredOutput
+from tests.unit.sim_support import SMALL_ENGINE
 from workers.engine import EngineError, EngineOutput
 from workers.model_dir import ModelInfo, load_model_info
 from workers.sim import SimEngine
@@ -50,16 +51,8 @@ async def make_engine(info: ModelInfo) -> AsyncIterator[MakeEngine]:
     engines: list[SimEngine] = []
 
     async def make(tokenizer: Tokenizer | None = None, **overrides: Any) -> SimEngine:
-        settings: dict[str, Any] = {
-            "speedup": 1e9,
-            "block_size": 16,
-            "num_blocks": 256,
-            "max_model_len": 1024,
-            "min_output_tokens": 4,
-            "max_output_tokens": 24,
-        }
         engine = SimEngine(
-            MODEL, tokenizer or info.tokenizer, SimConfig(**(settings | overrides)), info.eos_token_id
+            MODEL, tokenizer or info.tokenizer, SimConfig(**(SMALL_ENGINE | overrides)), info.eos_token_id
         )
         await engine.start()
         engines.append(engine)
