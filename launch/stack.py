@@ -19,6 +19,7 @@ from launch.flags import ENGINE_EPILOG, EPILOG, add_flags, from_namespace, given
 from launch.model_prepare import ModelPrepareError
 from launch.model_source import resolve_model
 from launch.monitor import Monitor, start_monitor
+from launch.role_flags import ROLES, RoleFlags, parse_role_flags
 from launch.services import Child, free_port, start_broker, start_redis
 from schemas.ops_settings import PlannerPolicySettings, StackSettings
 from schemas.settings import ENV_PREFIX, FrontendSettings, WorkerSettings
@@ -53,6 +54,8 @@ class Stack:
     engine_flags: list[str] = dataclasses.field(default_factory=list)
     # The settings given as flags, which the children are passed.
     passed: set[str] = dataclasses.field(default_factory=set)
+    # Each pool's own flags (--prefill-flags, --decode-flags), passed after the ones above.
+    role_flags: dict[str, RoleFlags] = dataclasses.field(default_factory=dict)
 
 
 def stack_parser() -> argparse.ArgumentParser:
@@ -110,12 +113,26 @@ def load_stack(argv: Sequence[str] | None = None) -> Stack:
             "ferry up: --prefill-workers/--decode-workers start workers with their roles; they do not combine "
             "with --autoscale or --role"
         )
-    if pools and worker.engine == "vllm" and not kv_connector_given(engine_flags):
+    role_flags = {
+        role: parse_role_flags(role, text, worker.engine)
+        for role, text in (("prefill", settings.prefill_flags), ("decode", settings.decode_flags))
+        if text
+    }
+    for role in role_flags:
+        if not getattr(settings, f"{role}_workers"):
+            raise SystemExit(f"ferry up: --{role}-flags without --{role}-workers: no worker would take them")
+    pool_engine_flags = [
+        [*engine_flags, *role_flags.get(role, RoleFlags()).engine]
+        for role in ROLES
+        if getattr(settings, f"{role}_workers")
+    ]
+    if pools and worker.engine == "vllm" and not all(kv_connector_given(f) for f in pool_engine_flags):
         raise SystemExit(
             "ferry up: vLLM prefill and decode workers need a KV connector between their engines: pass vLLM's "
-            "--kv-transfer-config after -- (docs/architecture.md, \"Disaggregated prefill and decode\")"
+            "--kv-transfer-config after -- or in --prefill-flags and --decode-flags (docs/architecture.md, "
+            '"Disaggregated prefill and decode")'
         )
-    nixl = any(name in flag for flag in engine_flags for name in NIXL_CONNECTORS)
+    nixl = any(name in flag for flags in pool_engine_flags for flag in flags for name in NIXL_CONNECTORS)
     if worker.engine == "vllm" and nixl and settings.workers + pools > 1 and NIXL_PORT_ENV in os.environ:
         # Each worker picks a free side-channel port unless this is set; set for all, they would collide.
         raise SystemExit(
@@ -128,7 +145,7 @@ def load_stack(argv: Sequence[str] | None = None) -> Stack:
             f"--min-workers {planner.min_workers} and --max-workers {planner.max_workers}"
         )
     return Stack(settings, frontend, worker, to_argv(frontend, only=passed), to_argv(worker, only=passed),
-                 planner, engine_flags, passed)  # fmt: skip
+                 planner, engine_flags, passed, role_flags)  # fmt: skip
 
 
 def _embedded_defaults(
@@ -166,12 +183,15 @@ def resolve_stack_model(stack: Stack) -> Stack:
 
 
 def _worker_argv(stack: Stack, kafka: str, redis: str, name: str, role: str = "") -> list[str]:
+    own = stack.role_flags.get(role, RoleFlags())
+    engine_flags = [*stack.engine_flags, *own.engine]
     return [
         sys.executable, "-m", "launch", "worker",
         "--worker-id", name, "--kafka", kafka, "--redis", redis,
         *stack.worker_flags,
         *(["--role", role] if role else []),
-        *(["--", *stack.engine_flags] if stack.engine_flags else []),
+        *own.worker,
+        *(["--", *engine_flags] if engine_flags else []),
     ]  # fmt: skip
 
 

@@ -139,6 +139,21 @@ class StackSettings:
     decode_workers: int = dataclasses.field(
         default=0, metadata=_help("number of decode workers (role decode, disaggregated serving) to start")
     )
+    prefill_flags: str = dataclasses.field(
+        default="",
+        metadata=_help(
+            "flags given to the prefill workers only, after those every worker gets (where both set one, "
+            "this wins): `ferry worker` flags, then vLLM engine flags after `--`, e.g. "
+            "\"--max-num-batched-tokens 8192 -- --kv-transfer-config '{...}'\""
+        ),
+    )
+    decode_flags: str = dataclasses.field(
+        default="",
+        metadata=_help(
+            "flags given to the decode workers only, as --prefill-flags are to the prefill workers, e.g. "
+            '"--max-num-seqs 64"'
+        ),
+    )
     kafka: str = dataclasses.field(
         default="", metadata=_help("use this Kafka instead of starting the embedded broker")
     )

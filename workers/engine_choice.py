@@ -13,10 +13,13 @@ from schemas.settings import WorkerSettings, values_of
 from workers.engine import Engine
 from workers.model_dir import load_model_info
 
+# vLLM's flag for the KV connector, whole (a JSON object) or one key at a time (`--kv-transfer-config.kv_role`).
+_KV_TRANSFER_FLAGS = ("--kv-transfer-config", "--kv-transfer-config.kv_connector")
+
 
 def kv_connector_given(engine_flags: Sequence[str]) -> bool:
     """Whether vLLM's engine flags name a KV connector (what moves a prompt's KV between P/D engines)."""
-    return any(flag.split("=", 1)[0] == "--kv-transfer-config" for flag in engine_flags)
+    return any(flag.split("=", 1)[0] in _KV_TRANSFER_FLAGS for flag in engine_flags)
 
 
 def build_engine(settings: WorkerSettings, engine_flags: Sequence[str] = ()) -> Engine:
