@@ -25,7 +25,7 @@ from planner.latency import FrontendScraper, registered_frontends
 from planner.loop import Planner
 from planner.metrics import PlannerMetrics
 from schemas.names import RedisKeys
-from schemas.ops_settings import PlannerPolicySettings
+from schemas.ops_settings import PlannerPolicySettings, PlannerPool
 from schemas.settings import WorkerSettings
 from workers.worker import READY_MARK
 
@@ -60,8 +60,10 @@ class LocalWorkers:
         spawn: Callable[[str], Awaitable[Child]],
         worker: WorkerSettings,
         ready_timeout_s: float,
+        prefix: str = "worker",
     ) -> None:
         self._spawn = spawn
+        self._prefix = prefix  # a started worker is named `<prefix>-<n>`
         self._grace_s = worker.drain_grace_s
         self._ready_timeout_s = ready_timeout_s
         self.workers: dict[str, Managed] = {}
@@ -108,7 +110,7 @@ class LocalWorkers:
         """Start workers up to `desired`, or drain the newest ones down to it."""
         active = self.active()
         for _ in range(desired - len(active)):
-            name = f"worker-{self._next}"
+            name = f"{self._prefix}-{self._next}"
             self._next += 1
             self._watch(await self._spawn(name), State.STARTING)
             log.info("planner: started %s", name)
@@ -173,8 +175,10 @@ async def start_planner(
     kafka: str,
     redis_url: str,
     actuator: LocalWorkers,
+    pool: PlannerPool = "all",
 ) -> LocalPlanner:
-    """Build the planner for a local stack: the registry, its frontends' /metrics, Kafka lag, local workers."""
+    """Build the planner of a local stack's `pool`: the registry, its frontends' /metrics, Kafka lag, local
+    workers."""
     from prometheus_client import start_http_server
 
     from launch.services import free_port
@@ -194,6 +198,6 @@ async def start_planner(
     registry = Registry(redis, RedisKeys(worker.redis_prefix))
     # Frontends from the registry: one started beside `ferry up` (same Redis and prefix) counts too.
     scraper = FrontendScraper(http, registered_frontends(registry, model), model)
-    planner = Planner(policy, model, registry, scraper, lag, actuator, metrics)
+    planner = Planner(policy, model, registry, scraper, lag, actuator, metrics, pool=pool)
     url = f"http://127.0.0.1:{server.server_port}/metrics"
     return LocalPlanner(planner, actuator, url, [lag.close, http.aclose, redis.aclose, server.shutdown])

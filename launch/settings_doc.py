@@ -24,7 +24,8 @@ def markdown_tables() -> str:
         f"`ferry up` takes every flag above except {ids} (it names each child itself) and passes each child "
         "the ones it takes; there `--port 0` picks a free port. With `--autoscale` it also takes the planner's "
         f"targets and limits ({', '.join(_flags(PlannerPolicySettings)[:3])}, ...: the second group of the "
-        "planner's table) and runs the planner on its own workers. Its own flags:"
+        "planner's table) and runs the planner on its own workers (one per pool when it starts prefill and decode "
+        "pools). Its own flags:"
     )
     tables: list[tuple[str, str, type[Any], set[str]]] = [
         ("Shared by frontends and workers", "", CommonSettings, set()),

@@ -12,7 +12,7 @@ import secrets
 import signal
 import sys
 from collections.abc import Awaitable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from launch.autoscale import LocalPlanner, LocalWorkers, start_planner
 from launch.flags import ENGINE_EPILOG, EPILOG, add_flags, from_namespace, given, split_engine_flags, to_argv
@@ -21,7 +21,7 @@ from launch.model_source import resolve_model
 from launch.monitor import Monitor, start_monitor
 from launch.role_flags import ROLES, RoleFlags, parse_role_flags
 from launch.services import Child, free_port, start_broker, start_redis
-from schemas.ops_settings import PlannerPolicySettings, StackSettings
+from schemas.ops_settings import PlannerPolicySettings, PlannerPool, StackSettings
 from schemas.settings import ENV_PREFIX, FrontendSettings, WorkerSettings
 from server.tenants import TenantsError, configured_tenants
 from workers.engine_choice import kv_connector_given
@@ -108,10 +108,15 @@ def load_stack(argv: Sequence[str] | None = None) -> Stack:
         raise SystemExit(
             "ferry up: prefill workers need a worker that decodes (--decode-workers or --workers)"
         )
-    if pools and (settings.autoscale or "role" in given(ns)):
+    if pools and "role" in given(ns):
         raise SystemExit(
             "ferry up: --prefill-workers/--decode-workers start workers with their roles; they do not combine "
-            "with --autoscale or --role"
+            "with --role"
+        )
+    if pools and settings.autoscale and settings.workers:
+        raise SystemExit(
+            "ferry up --autoscale: with --prefill-workers/--decode-workers the planners size those two pools; "
+            f"--workers must then be 0, not {settings.workers}"
         )
     role_flags = {
         role: parse_role_flags(role, text, worker.engine)
@@ -139,11 +144,13 @@ def load_stack(argv: Sequence[str] | None = None) -> Stack:
             f"ferry up: {NIXL_PORT_ENV} gives every NIXL engine on this host the same side-channel port: unset "
             "it, and each worker picks a free one"
         )
-    if settings.autoscale and not planner.min_workers <= settings.workers <= planner.max_workers:
-        raise SystemExit(
-            f"ferry up --autoscale: --workers {settings.workers} (the starting count) must lie between "
-            f"--min-workers {planner.min_workers} and --max-workers {planner.max_workers}"
-        )
+    starting = [(f"{role}_workers", getattr(settings, f"{role}_workers")) for role in ROLES] if pools else []
+    for name, count in starting or [("workers", settings.workers)]:
+        if settings.autoscale and not planner.min_workers <= count <= planner.max_workers:
+            raise SystemExit(
+                f"ferry up --autoscale: --{name.replace('_', '-')} {count} (the starting count) must lie between "
+                f"--min-workers {planner.min_workers} and --max-workers {planner.max_workers}"
+            )
     return Stack(settings, frontend, worker, to_argv(frontend, only=passed), to_argv(worker, only=passed),
                  planner, engine_flags, passed, role_flags)  # fmt: skip
 
@@ -256,8 +263,11 @@ async def _start(
     # without printing a key.
     auth = "-H 'Authorization: Bearer YOUR_KEY' " if fe.api_keys else ""
     p = stack.planner
-    scaling = f", autoscaled {p.min_workers}-{p.max_workers}" if s.autoscale else ""
-    if s.prefill_workers or s.decode_workers:
+    pools = s.prefill_workers or s.decode_workers
+    scaling = (
+        f", autoscaled {p.min_workers}-{p.max_workers}{' per pool' if pools else ''}" if s.autoscale else ""
+    )
+    if pools:
         scaling += f", {s.prefill_workers} prefill + {s.decode_workers} decode"
     print(
         f"\nFerry is up: {url}  (model {fe.served_model_name}, {s.workers} {stack.worker.engine} worker(s)"
@@ -273,22 +283,32 @@ async def _start(
     return Started(url, kafka, redis)
 
 
-async def _autoscale(stack: Stack, started: Started, workers: list[Child]) -> LocalPlanner:
-    """Hand the started workers to the local actuator and build the planner on them."""
+async def _autoscale(
+    stack: Stack, started: Started, workers: list[Child], planners: list[LocalPlanner]
+) -> None:
+    """Hand the started workers to local actuators and build a planner on each (recording each as it starts):
+    one for the aggregated workers, or one per pool (prefill sized by TTFT, decode by ITL, as
+    deploy/kubernetes-disagg does)."""
+    s, p = stack.settings, stack.planner
+    pools: tuple[str, ...] = ROLES if s.prefill_workers + s.decode_workers else ("",)
+    for role in pools:
 
-    def spawn(name: str) -> Awaitable[Child]:
-        return Child.spawn(name, _worker_argv(stack, started.kafka, started.redis, name))
+        def spawn(name: str, role: str = role) -> Awaitable[Child]:
+            return Child.spawn(name, _worker_argv(stack, started.kafka, started.redis, name, role))
 
-    actuator = LocalWorkers(spawn, stack.worker, stack.settings.ready_timeout_s)
-    actuator.adopt(workers)
-    local = await start_planner(stack.planner, stack.worker, started.kafka, started.redis, actuator)
-    p = stack.planner
-    print(
-        f"planner: {p.min_workers}-{p.max_workers} workers, TTFT p90 <= {p.ttft_p90_target_s}s, ITL p90 <= "
-        f"{p.itl_p90_target_s}s; its metrics {local.metrics_url}",
-        flush=True,
-    )
-    return local
+        actuator = LocalWorkers(spawn, stack.worker, s.ready_timeout_s, prefix=role or "worker")
+        actuator.adopt([w for w in workers if w.name.startswith(f"{role or 'worker'}-")])
+        local = await start_planner(
+            p, stack.worker, started.kafka, started.redis, actuator, pool=cast(PlannerPool, role or "all")
+        )
+        planners.append(local)
+        sized = f"{role} pool" if role else "workers"
+        ttft, itl = f"TTFT p90 <= {p.ttft_p90_target_s}s", f"ITL p90 <= {p.itl_p90_target_s}s"
+        target = {"prefill": ttft, "decode": itl}.get(role, f"{ttft}, {itl}")
+        print(
+            f"planner: {sized} {p.min_workers}-{p.max_workers}, {target}; its metrics {local.metrics_url}",
+            flush=True,
+        )
 
 
 async def run_stack(stack: Stack) -> int:
@@ -302,7 +322,7 @@ async def run_stack(stack: Stack) -> int:
     fronts: list[Child] = []
     stopping = asyncio.create_task(stop.wait())
     starting = asyncio.create_task(_start(stack, services, workers, fronts))
-    local: LocalPlanner | None = None
+    planners: list[LocalPlanner] = []
     code = 0
     try:
         await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
@@ -316,10 +336,10 @@ async def run_stack(stack: Stack) -> int:
         watched: list[asyncio.Future[Any]] = []
         if stack.settings.autoscale:
             # The planner owns the workers from here: they come and go, and a crashed one is replaced.
-            local = await _autoscale(stack, started, workers)
+            await _autoscale(stack, started, workers, planners)
             workers.clear()
             children = [*fronts]
-            watched.append(asyncio.create_task(local.planner.run(stop), name="planner"))
+            watched += [asyncio.create_task(local.planner.run(stop), name="planner") for local in planners]
         watched += [asyncio.create_task(c.proc.wait()) for c in children]
         done, _ = await asyncio.wait([stopping, *watched], return_when=asyncio.FIRST_COMPLETED)
         if stopping not in done:
@@ -337,7 +357,7 @@ async def run_stack(stack: Stack) -> int:
         for front in fronts:
             await front.stop()
         await asyncio.gather(*(w.stop() for w in workers))
-        if local is not None:
+        for local in planners:
             await local.actuator.stop_all()
             await local.close()
         for child in reversed(services):

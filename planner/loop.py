@@ -131,7 +131,8 @@ class Planner:
         self._last = key
         log.log(
             level,
-            "planner %s -> %d workers (ready %d, starting %d, draining %d), reason %s: %s",
+            "planner%s %s -> %d workers (ready %d, starting %d, draining %d), reason %s: %s",
+            "" if self.pool == "all" else f" ({self.pool} pool)",
             d.action.value, d.desired, obs.ready, obs.starting, obs.draining, d.reason.value, d.detail,
         )  # fmt: skip
 

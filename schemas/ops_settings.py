@@ -172,6 +172,7 @@ class StackSettings:
     autoscale: bool = dataclasses.field(
         default=False,
         metadata=_help(
-            "run the planner: --workers is the starting count, between --min-workers and --max-workers"
+            "run the planner: --workers is the starting count, between --min-workers and --max-workers (with "
+            "--prefill-workers and --decode-workers, one planner per pool, each pool between them)"
         ),
     )

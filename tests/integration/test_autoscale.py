@@ -125,3 +125,50 @@ async def test_autoscale_scales_out_under_load_and_drains_back_without_a_failed_
     failures = [r for r in results if r is not None]
     assert len(results) > 50 and not failures, failures[:5]
     assert code == 0
+
+
+async def test_autoscale_sizes_the_decode_pool_apart_from_the_prefill_pool(model_path: Path) -> None:
+    # Many concurrent streams load the decode pool (each holds its sequence for 60 tokens), while the prefill
+    # pool holds each only for its short prompt and meets its TTFT target: one pool grows, the other does not.
+    child = await Child.spawn(
+        "ferry-up",
+        [
+            sys.executable, "-m", "launch", "up", "--autoscale", "--workers", "0", "--prefill-workers", "1",
+            "--decode-workers", "1", "--min-workers", "1", "--max-workers", "2", "--planner-interval-s", "1",
+            "--scale-out-cooldown-s", "2", "--scale-in-cooldown-s", "4", "--scale-in-stable", "2",
+            "--worker-capacity", "4", "--worker-start-s", "2", "--ttft-p90-target-s", "2",
+            "--itl-p90-target-s", "0.2", "--port", "0", "--speedup", "5", "--model-path", str(model_path),
+        ],
+        echo=bool(os.environ.get("FERRY_TEST_ECHO")),
+    )  # fmt: skip
+    results: list[str | None] = []
+    loops: list[asyncio.Task[None]] = []
+    watched: Lines | None = None
+    try:
+        url = (await child.wait_for_line(lambda line: line.startswith("ferry-ready "), 120)).split()[1]
+        lines = watched = Lines(child)
+        decode_starts, prefill_starts = (
+            lines.of("planner: started decode-"),
+            lines.of("planner: started prefill-"),
+        )
+        drains, crashes = lines.of("drained and exited"), lines.of("exited unexpectedly")
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            burst = asyncio.Event()
+            loops += [asyncio.create_task(keep_streaming(c, burst, 60, results)) for _ in range(16)]
+            await lines.until(lambda: len(decode_starts) >= 1, 60)
+            burst.set()
+            await asyncio.gather(*loops)
+            await lines.until(lambda: len(drains) >= len(decode_starts), 60)
+        assert not prefill_starts, prefill_starts
+        assert all("decode-1 drained and exited with code 0" in line for line in drains), drains
+        assert not crashes, crashes
+    finally:
+        for t in loops:
+            t.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        code = await child.stop(60)
+        if watched is not None:
+            watched.close()
+    failures = [r for r in results if r is not None]
+    assert len(results) >= 16 and not failures, failures[:5]
+    assert code == 0

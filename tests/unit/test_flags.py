@@ -128,7 +128,9 @@ def test_ferry_up_starts_prefill_and_decode_pools_with_their_roles() -> None:
     assert argv[-2:] == ["--kv-transfer-config", connector]
 
 
-def test_ferry_up_refuses_one_nixl_side_channel_port_for_several_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ferry_up_refuses_one_nixl_side_channel_port_for_several_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     nixl = ["--", "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}']
     pools = ["--engine", "vllm", "--workers", "0", "--prefill-workers", "1", "--decode-workers", "1", *nixl]
     monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_PORT", raising=False)
@@ -152,3 +154,22 @@ def test_help_shows_each_flags_default_and_variable(parser: argparse.ArgumentPar
         if action.dest != "help":
             assert action.help is not None and "(default: " in action.help, action.dest
             assert f"env FERRY_{action.dest.upper()})" in action.help, action.dest
+
+
+def test_ferry_up_autoscales_each_pool_within_the_bounds() -> None:
+    bounds = ["--autoscale", "--min-workers", "1", "--max-workers", "3"]
+    stack = load_stack([*bounds, "--workers", "0", "--prefill-workers", "1", "--decode-workers", "3"])
+    assert (stack.settings.autoscale, stack.settings.prefill_workers, stack.settings.decode_workers) == (
+        True,
+        1,
+        3,
+    )
+    refused = {
+        "--workers must then be 0, not 2": ["--prefill-workers", "1", "--decode-workers", "1"],
+        "--decode-workers 4 \\(the starting count\\)": ["--workers", "0", "--prefill-workers", "1", "--decode-workers", "4"],
+        "--prefill-workers 0 \\(the starting count\\)": ["--workers", "0", "--decode-workers", "1"],
+        "--workers 5 \\(the starting count\\)": ["--workers", "5"],
+    }  # fmt: skip
+    for reason, argv in refused.items():
+        with pytest.raises(SystemExit, match=reason):
+            load_stack([*bounds, *argv])
