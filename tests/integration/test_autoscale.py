@@ -4,10 +4,12 @@ drains them again (SIGTERM, finish, exit 0) while streams keep running, and not 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
@@ -80,95 +82,96 @@ class Lines:
         self._watch.cancel()
 
 
+@dataclasses.dataclass
+class Autoscaled:
+    """A running `ferry up --autoscale`: where it serves, its output lines, the streams sent and how they ended."""
+
+    url: str
+    lines: Lines
+    loops: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
+    results: list[str | None] = dataclasses.field(default_factory=list)
+    code: int | None = None  # its exit code, once stopped
+
+
+@contextlib.asynccontextmanager
+async def autoscaled(flags: list[str], model_path: Path) -> AsyncIterator[Autoscaled]:
+    """`ferry up --autoscale` on sim workers with a planner interval of 1 s and `flags`; on the way out its
+    streams are cancelled and it is stopped."""
+    child = await Child.spawn(
+        "ferry-up",
+        [sys.executable, "-m", "launch", "up", "--autoscale", "--planner-interval-s", "1", "--port", "0",
+         "--model-path", str(model_path), *flags],
+        echo=bool(os.environ.get("FERRY_TEST_ECHO")),
+    )  # fmt: skip
+    run: Autoscaled | None = None
+    try:
+        url = (await child.wait_for_line(lambda line: line.startswith("ferry-ready "), 120)).split()[1]
+        run = Autoscaled(url, Lines(child))
+        yield run
+    finally:
+        if run is not None:
+            for t in run.loops:
+                t.cancel()
+            await asyncio.gather(*run.loops, return_exceptions=True)
+        code = await child.stop(60)
+        if run is not None:
+            run.lines.close()
+            run.code = code
+
+
 async def test_autoscale_scales_out_under_load_and_drains_back_without_a_failed_request(
     model_path: Path,
 ) -> None:
-    child = await Child.spawn(
-        "ferry-up",
-        [
-            sys.executable, "-m", "launch", "up", "--autoscale", "--workers", "1", "--min-workers", "1",
-            "--max-workers", "3", "--planner-interval-s", "1", "--scale-out-cooldown-s", "2",
-            "--scale-in-cooldown-s", "10", "--scale-in-stable", "2", "--worker-capacity", "4",
-            "--worker-start-s", "2", "--ttft-p90-target-s", "2", "--itl-p90-target-s", "0.2", "--port", "0", "--speedup", "5", "--model-path", str(model_path),
-        ],
-        echo=bool(os.environ.get("FERRY_TEST_ECHO")),
-    )  # fmt: skip
-    results: list[str | None] = []
-    loops: list[asyncio.Task[None]] = []
-    watched: Lines | None = None
-    try:
-        url = (await child.wait_for_line(lambda line: line.startswith("ferry-ready "), 120)).split()[1]
-        lines = watched = Lines(child)
-        starts, drains = lines.of("planner: started worker-"), lines.of("drained and exited")
-        crashes = lines.of("exited unexpectedly")
-        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+    flags = [
+        "--workers", "1", "--min-workers", "1", "--max-workers", "3", "--scale-out-cooldown-s", "2",
+        "--scale-in-cooldown-s", "10", "--scale-in-stable", "2", "--worker-capacity", "4", "--worker-start-s", "2",
+        "--ttft-p90-target-s", "2", "--itl-p90-target-s", "0.2", "--speedup", "5",
+    ]  # fmt: skip
+    async with autoscaled(flags, model_path) as run:
+        starts, drains = run.lines.of("planner: started worker-"), run.lines.of("drained and exited")
+        crashes = run.lines.of("exited unexpectedly")
+        async with httpx.AsyncClient(base_url=run.url, timeout=60) as c:
             burst, calm = asyncio.Event(), asyncio.Event()
             # A burst of short streams, and two long ones that go on while the planner drains workers.
-            loops += [asyncio.create_task(keep_streaming(c, burst, 60, results)) for _ in range(24)]
-            loops += [asyncio.create_task(keep_streaming(c, calm, 300, results)) for _ in range(2)]
-            await lines.until(lambda: len(starts) >= 1, 60)
+            run.loops += [asyncio.create_task(keep_streaming(c, burst, 60, run.results)) for _ in range(24)]
+            run.loops += [asyncio.create_task(keep_streaming(c, calm, 300, run.results)) for _ in range(2)]
+            await run.lines.until(lambda: len(starts) >= 1, 60)
             await asyncio.sleep(5)  # the burst goes on a while on the larger fleet
             burst.set()
             # Back to the floor: every worker the planner started drained again.
-            await lines.until(lambda: len(drains) >= len(starts), 120)
+            await run.lines.until(lambda: len(drains) >= len(starts), 120)
             calm.set()
-            await asyncio.gather(*loops)
+            await asyncio.gather(*run.loops)
         assert all("code 0" in line for line in drains), drains
         assert not crashes, crashes
-    finally:
-        for t in loops:
-            t.cancel()
-        await asyncio.gather(*loops, return_exceptions=True)
-        code = await child.stop(60)
-        if watched is not None:
-            watched.close()
-    failures = [r for r in results if r is not None]
-    assert len(results) > 50 and not failures, failures[:5]
-    assert code == 0
+    failures = [r for r in run.results if r is not None]
+    assert len(run.results) > 50 and not failures, failures[:5]
+    assert run.code == 0
 
 
 async def test_autoscale_sizes_the_decode_pool_apart_from_the_prefill_pool(model_path: Path) -> None:
     # Many concurrent streams load the decode pool (each holds its sequence for 60 tokens), while the prefill
     # pool holds each only for its short prompt and meets its TTFT target: one pool grows, the other does not.
-    child = await Child.spawn(
-        "ferry-up",
-        [
-            sys.executable, "-m", "launch", "up", "--autoscale", "--workers", "0", "--prefill-workers", "1",
-            "--decode-workers", "1", "--min-workers", "1", "--max-workers", "2", "--planner-interval-s", "1",
-            "--scale-out-cooldown-s", "2", "--scale-in-cooldown-s", "4", "--scale-in-stable", "2",
-            "--worker-capacity", "4", "--worker-start-s", "2", "--ttft-p90-target-s", "2",
-            "--itl-p90-target-s", "0.2", "--port", "0", "--speedup", "5", "--model-path", str(model_path),
-        ],
-        echo=bool(os.environ.get("FERRY_TEST_ECHO")),
-    )  # fmt: skip
-    results: list[str | None] = []
-    loops: list[asyncio.Task[None]] = []
-    watched: Lines | None = None
-    try:
-        url = (await child.wait_for_line(lambda line: line.startswith("ferry-ready "), 120)).split()[1]
-        lines = watched = Lines(child)
-        decode_starts, prefill_starts = (
-            lines.of("planner: started decode-"),
-            lines.of("planner: started prefill-"),
-        )
-        drains, crashes = lines.of("drained and exited"), lines.of("exited unexpectedly")
-        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+    flags = [
+        "--workers", "0", "--prefill-workers", "1", "--decode-workers", "1", "--min-workers", "1",
+        "--max-workers", "2", "--scale-out-cooldown-s", "2", "--scale-in-cooldown-s", "4", "--scale-in-stable", "2",
+        "--worker-capacity", "4", "--worker-start-s", "2", "--ttft-p90-target-s", "2", "--itl-p90-target-s", "0.2",
+        "--speedup", "5",
+    ]  # fmt: skip
+    async with autoscaled(flags, model_path) as run:
+        decode_starts = run.lines.of("planner: started decode-")
+        prefill_starts = run.lines.of("planner: started prefill-")
+        drains, crashes = run.lines.of("drained and exited"), run.lines.of("exited unexpectedly")
+        async with httpx.AsyncClient(base_url=run.url, timeout=60) as c:
             burst = asyncio.Event()
-            loops += [asyncio.create_task(keep_streaming(c, burst, 60, results)) for _ in range(16)]
-            await lines.until(lambda: len(decode_starts) >= 1, 60)
+            run.loops += [asyncio.create_task(keep_streaming(c, burst, 60, run.results)) for _ in range(16)]
+            await run.lines.until(lambda: len(decode_starts) >= 1, 60)
             burst.set()
-            await asyncio.gather(*loops)
-            await lines.until(lambda: len(drains) >= len(decode_starts), 60)
+            await asyncio.gather(*run.loops)
+            await run.lines.until(lambda: len(drains) >= len(decode_starts), 60)
         assert not prefill_starts, prefill_starts
         assert all("decode-1 drained and exited with code 0" in line for line in drains), drains
         assert not crashes, crashes
-    finally:
-        for t in loops:
-            t.cancel()
-        await asyncio.gather(*loops, return_exceptions=True)
-        code = await child.stop(60)
-        if watched is not None:
-            watched.close()
-    failures = [r for r in results if r is not None]
-    assert len(results) >= 16 and not failures, failures[:5]
-    assert code == 0
+    failures = [r for r in run.results if r is not None]
+    assert len(run.results) >= 16 and not failures, failures[:5]
+    assert run.code == 0
