@@ -121,6 +121,24 @@ ROWS: list[Row] = [
             "waiting {{worker}}": f"sum by (worker) (ferry_worker_engine_waiting{{{M}}})",
         }),
     ]),
+    Row("Worker roles (prefill and decode pools)", [
+        Panel("Workers by role", "short", {
+            "{{worker_role}}": f"count by (worker_role) (ferry_worker_kv_usage{{{M}}})",
+        }, description="worker_role: prefill, decode, or both (aggregated)"),
+        Panel("Engine running and waiting by role", "short", {
+            "running {{worker_role}}": f"sum by (worker_role) (ferry_worker_engine_running{{{M}}})",
+            "waiting {{worker_role}}": f"sum by (worker_role) (ferry_worker_engine_waiting{{{M}}})",
+        }),
+        Panel("Tokens per second by role", "short", {
+            "generated {{worker_role}}":
+                f"sum by (worker_role) (rate(ferry_worker_generated_tokens_total{{{M}}}[{RATE}]))",
+            "prompt {{worker_role}}": f"sum by (worker_role) (rate(ferry_worker_prompt_tokens_total{{{M}}}[{RATE}]))",
+        }, description="A prefill worker generates each sequence's first token; its decode worker the rest"),
+        Panel("KV usage by role (mean, max)", "percentunit", {
+            "mean {{worker_role}}": f"avg by (worker_role) (ferry_worker_kv_usage{{{M}}})",
+            "max {{worker_role}}": f"max by (worker_role) (ferry_worker_kv_usage{{{M}}})",
+        }),
+    ]),
     Row("Kafka", [
         Panel("Consumer lag by topic and group", "short", {
             "{{topic}} {{group}}": "max by (topic, group) (ferry_kafka_consumer_lag)",
@@ -147,7 +165,7 @@ ROWS: list[Row] = [
     ]),
     Row("Planner", [
         Panel("Workers: desired vs live", "short", {
-            "desired": "max(ferry_planner_desired_workers)",
+            "desired {{instance}}": "max by (instance) (ferry_planner_desired_workers)",
             "live": "max(ferry_live_workers)",
         }, optional="planner"),
         Panel("Planner decisions", "short", {

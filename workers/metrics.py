@@ -130,16 +130,17 @@ class WorkerMetrics:
         """Set the consumer lag of `reader`'s topics."""
         await self.kafka_lag.record(reader)
 
-    def exposition(self, model: str, worker: str) -> CollectorRegistry:
-        """What /metrics serves: these families labelled with `model` and `worker`, and the process's own."""
+    def exposition(self, model: str, worker: str, role: str = "both") -> CollectorRegistry:
+        """What /metrics serves: these families labelled with `model`, `worker` and `worker_role` (prefill,
+        decode or both: a disaggregated fleet's pools apart), and the process's own."""
         out = CollectorRegistry(auto_describe=False)
-        out.register(_Labelled(self.registry, {"model": model, "worker": worker}))
+        out.register(_Labelled(self.registry, {"model": model, "worker": worker, "worker_role": role}))
         out.register(_Process())
         return out
 
-    def serve(self, host: str, port: int, model: str, worker: str) -> str:
+    def serve(self, host: str, port: int, model: str, worker: str, role: str = "both") -> str:
         """Serve /metrics in a background thread; return the URL others reach it at (for the registry)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.exposition(model, worker))
+        server, _thread = start_http_server(port, addr=host, registry=self.exposition(model, worker, role))
         self._server = server
         return f"http://{reachable_host(host)}:{server.server_port}/metrics"
 

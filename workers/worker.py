@@ -111,7 +111,9 @@ class Worker:
     async def run(self, shutdown: asyncio.Event) -> int:
         """Serve until `shutdown` is set, then drain; the return value is the process exit code."""
         s = self.settings
-        self.heartbeat.metrics_url = self.metrics.serve(s.metrics_host, s.metrics_port, s.served_model_name, s.worker_id)
+        self.heartbeat.metrics_url = self.metrics.serve(
+            s.metrics_host, s.metrics_port, s.served_model_name, s.worker_id, s.role
+        )
         self.heartbeat.readers.append(self._inbox.reader)
         tasks: list[asyncio.Task[None]] = []
         try:

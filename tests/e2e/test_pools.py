@@ -1,5 +1,6 @@
 """`ferry up` with a prefill pool and a decode pool, each given its own flags (--prefill-flags, --decode-flags):
-the workers start with them, and a request is prefilled on one pool and decoded on the other."""
+the workers start with them, a request is prefilled on one pool and decoded on the other, and each worker's
+metrics carry its role."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.registry import Registry
 from launch.services import Child
@@ -51,5 +53,18 @@ async def test_each_pool_starts_with_its_own_flags_and_serves_its_part(model_pat
             events = [json.loads(d) async for _, d in sse_events(r) if d != "[DONE]"]
         assert r.headers["x-ferry-disagg"] == "remote"
         assert events[-1]["usage"]["completion_tokens"] == 8
+
+        # Each worker's samples say its role, so a dashboard can tell the pools apart.
+        generated: dict[str, float] = {}
+        async with httpx.AsyncClient(timeout=10) as c:
+            for group in (await c.get(f"{url}/discovery/prometheus")).json():
+                if group["labels"]["role"] != "worker":
+                    continue
+                target = f"http://{group['targets'][0]}{group['labels']['__metrics_path__']}"
+                for family in text_string_to_metric_families((await c.get(target)).text):
+                    for sample in family.samples:
+                        if sample.name == "ferry_worker_generated_tokens_total":
+                            generated[sample.labels["worker_role"]] = sample.value
+        assert generated == {"prefill": 1, "decode": 7}  # the first token is the prefill worker's
     finally:
         assert await child.stop(30) == 0, "\n".join(child.tail)

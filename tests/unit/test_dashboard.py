@@ -37,7 +37,7 @@ def test_panels_are_well_formed() -> None:
         for t in p["targets"]:
             assert t["datasource"]["uid"] == "prometheus" and t["expr"].strip()
     names = {p["title"] for p in d["panels"]}
-    for row in ("SLOs per model", "Throughput", "Errors", "Routing", "KV cache per worker", "Kafka",
+    for row in ("SLOs per model", "Throughput", "Errors", "Routing", "KV cache per worker", "Worker roles (prefill and decode pools)", "Kafka",
                 "Migrations", "Batch", "Planner"):  # fmt: skip
         assert row in names
     assert [v["name"] for v in d["templating"]["list"]] == ["model"]
