@@ -10,7 +10,8 @@ from the conversation trace (bench/workload.py, scaled down as there). Workers a
 fresh broker, Redis and frontend. Reported per system: SLO attainment (share of requests whose TTFT and mean
 ITL are both within the targets), worker-seconds (integral of worker processes alive: starting, serving or
 draining), time to react (from the first planner interval whose load exceeded the workers' slots to the
-first scale-out), failed requests (non-200, an error event, or fewer tokens than asked).
+first scale-out), failed requests (non-200, an error event, or fewer tokens than asked). With --pools every
+system serves through a prefill pool and a decode pool, each sized on its own (one planner per pool).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -38,10 +39,11 @@ from bench.workload import DEFAULT_TRACE, WorkItem, read_trace, trace_workload
 from launch.autoscale import LocalWorkers, start_planner
 from launch.services import Child, free_port, start_broker, start_redis
 from planner.policy import Action, Decision, Observation, Policy, Reason
-from schemas.ops_settings import PlannerPolicySettings
+from schemas.ops_settings import PlannerPolicySettings, PlannerPool
 from schemas.settings import WorkerSettings
 
 MODEL = "SmolLM2-135M-Instruct"
+POOLS = ("prefill", "decode")
 
 
 class ReactivePolicy(Policy):
@@ -146,12 +148,21 @@ async def run_system(
         wflags = ["--max-num-seqs", str(args.slots), "--speedup", str(args.speedup), "--heartbeat-interval-s", "0.5",
                   "--model-path", args.model_path, "--drain-grace-s", "60", "--log-level", "warning"]  # fmt: skip
 
-        def spawn(wid: str) -> Any:
-            return Child.spawn(wid, [sys.executable, "-m", "launch", "worker", "--worker-id", wid, "--kafka", kafka,
-                                     "--redis", redis, *wflags], echo=False)  # fmt: skip
+        def spawner(role: str) -> Callable[[str], Awaitable[Child]]:
+            def spawn(wid: str) -> Awaitable[Child]:
+                return Child.spawn(wid, [sys.executable, "-m", "launch", "worker", "--worker-id", wid, "--kafka",
+                                         kafka, "--redis", redis, *(["--role", role] if role else []), *wflags],
+                                   echo=False)  # fmt: skip
 
-        actuator = LocalWorkers(spawn, worker, 120.0)
-        cleanup.push_async_callback(_quietly, actuator.stop_all)
+            return spawn
+
+        # One fleet of aggregated workers, or (--pools) a prefill pool and a decode pool, each its own actuator.
+        roles: tuple[str, ...] = POOLS if args.pools else ("",)
+        actuators = {
+            role: LocalWorkers(spawner(role), worker, 120.0, prefix=role or "worker") for role in roles
+        }
+        for actuator in actuators.values():
+            cleanup.push_async_callback(_quietly, actuator.stop_all)
         start = {"peak": args.max_workers, "mean": args.mean_workers}.get(name, args.min_workers)
         policy = PlannerPolicySettings(
             min_workers=args.min_workers, max_workers=args.max_workers, ttft_p90_target_s=args.ttft_s,
@@ -164,23 +175,32 @@ async def run_system(
                                                "--heartbeat-interval-s", "0.5", "--log-level", "warning"], echo=False)  # fmt: skip
         cleanup.push_async_callback(_quietly, front.stop)
         # Watched from now: the frontend may be ready while the workers are still starting.
-        front_ready = asyncio.ensure_future(front.wait_for_line(lambda ln: ln.startswith("ferry-frontend-ready"), 120))
-        await actuator.scale(start)
+        front_ready = asyncio.ensure_future(
+            front.wait_for_line(lambda ln: ln.startswith("ferry-frontend-ready"), 120)
+        )
+        for actuator in actuators.values():
+            await actuator.scale(start)
         await asyncio.gather(*(m.child.wait_for_line(lambda ln: ln.startswith("ferry-worker-ready"), 120)
-                               for m in actuator.workers.values()))  # fmt: skip
+                               for a in actuators.values() for m in a.workers.values()))  # fmt: skip
         await front_ready
         url = f"http://127.0.0.1:{port}"
-        local = None
+        planners = []
         stop = asyncio.Event()
         tasks: list[asyncio.Task[Any]] = []
         if name in ("planner", "hpa"):
-            local = await start_planner(policy, worker, kafka, redis, actuator)
-            cleanup.push_async_callback(_quietly, local.close)
-            if name == "hpa":
-                local.planner.policy = ReactivePolicy(policy, args.slots, window_s=args.ramp_s / 8)
-            tasks.append(asyncio.create_task(local.planner.run(stop)))
+            # With pools, one planner per pool, as `ferry up --autoscale` runs them.
+            for role, actuator in actuators.items():
+                local = await start_planner(
+                    policy, worker, kafka, redis, actuator, pool=cast(PlannerPool, role or "all")
+                )
+                cleanup.push_async_callback(_quietly, local.close)
+                if name == "hpa":
+                    local.planner.policy = ReactivePolicy(policy, args.slots, window_s=args.ramp_s / 8)
+                tasks.append(asyncio.create_task(local.planner.run(stop)))
+                planners.append(local)
         worker_seconds = 0.0
         samples: list[tuple[float, int]] = []
+        by_pool: dict[str, int] = dict.fromkeys(roles, 0)  # the most workers each pool had at once
 
         async def meter() -> None:
             nonlocal worker_seconds
@@ -188,7 +208,9 @@ async def run_system(
             while not stop.is_set():
                 await asyncio.sleep(0.5)  # the sampling period of the worker count
                 now = time.monotonic()
-                n = len(actuator.workers)
+                n = sum(len(a.workers) for a in actuators.values())
+                for role, a in actuators.items():
+                    by_pool[role] = max(by_pool[role], len(a.workers))
                 worker_seconds += n * (now - last)
                 samples.append((now - t0, n))
                 last = now
@@ -196,7 +218,9 @@ async def run_system(
         t0 = time.monotonic()
         tasks.append(asyncio.create_task(meter()))
         results: list[Result] = []
-        async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=1000)) as c:
+        async with httpx.AsyncClient(
+            base_url=url, timeout=120, limits=httpx.Limits(max_connections=1000)
+        ) as c:
 
             async def fire(at: float, item: WorkItem) -> None:
                 await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))  # the arrival time itself
@@ -205,10 +229,18 @@ async def run_system(
             await asyncio.gather(*(fire(at, items[i % len(items)]) for i, at in enumerate(times)))
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
-        decisions = list(local.planner.decisions) if local else []
+        decisions = sorted((d for local in planners for d in local.planner.decisions), key=lambda d: d[0])
         await front.stop()
-        drained, crashed = list(actuator.drained), list(actuator.crashed)
-        return summarise(name, args, results, worker_seconds, decisions, drained, crashed, samples)
+        drained = [x for a in actuators.values() for x in a.drained]
+        crashed = [x for a in actuators.values() for x in a.crashed]
+        summary = summarise(name, args, results, worker_seconds, decisions, drained, crashed, samples)
+        if args.pools:
+            summary["max_workers_by_pool"] = by_pool
+            summary["scale_outs_by_pool"] = {
+                local.planner.pool: sum(d.action is Action.SCALE_OUT for _, _, d in local.planner.decisions)
+                for local in planners
+            }
+        return summary
 
 
 def summarise(name: str, args: argparse.Namespace, results: list[Result], worker_seconds: float,
@@ -264,6 +296,9 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--itl-s", type=float, default=0.1, help="ITL target (p90 for the planner)")
     ap.add_argument("--interval-s", type=float, default=2.0, help="planner interval")
     ap.add_argument("--systems", default="planner,peak,mean,hpa")
+    ap.add_argument("--pools", action="store_true",
+                    help="a prefill pool and a decode pool instead of aggregated workers: every worker count "
+                         "(--min/--max/--mean-workers) is per pool, and the planner systems run one planner per pool")  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=64, help="cap on the trace's (scaled) output lengths")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", type=Path, default=None)
