@@ -27,6 +27,21 @@ def slow_lines(model: str, n: int, tokens: int = 48) -> bytes:
     )
 
 
+async def slow_batch_under_way(client: AsyncOpenAI, model: str, n: int, started: int = 4) -> Any:
+    """A batch of `n` slow_lines items, once `started` results are in (more items are running on workers)."""
+    f = await client.files.create(file=("in.jsonl", slow_lines(model, n)), purpose="batch")
+    batch = await client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+
+    async def some_done() -> bool:
+        b = await client.batches.retrieve(batch.id)
+        return b.request_counts is not None and b.request_counts.completed >= started
+
+    await until(some_done, what="the first results")
+    return batch
+
+
 async def every_line(client: AsyncOpenAI, batch: Any) -> Counter[str]:
     """custom_id -> how many lines it has across the output and error files."""
     ids: Counter[str] = Counter()
@@ -75,16 +90,7 @@ async def test_batch_survives_a_killed_worker_and_a_frontend_restart(
             _, url = await h.add_frontend(batch_api=True, served_model_name=model, batch_dir=str(tmp_path))
             client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             n = 40
-            f = await client.files.create(file=("in.jsonl", slow_lines(model, n)), purpose="batch")
-            batch = await client.batches.create(
-                input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
-
-            async def some_done() -> bool:
-                b = await client.batches.retrieve(batch.id)
-                return b.request_counts is not None and b.request_counts.completed >= 4
-
-            await until(some_done, what="the first results")
+            batch = await slow_batch_under_way(client, model, n)
             # A worker dies with items running: they were never committed, so the other worker runs them.
             workers[0].kill()
             await workers[0].proc.wait()
@@ -115,16 +121,7 @@ async def test_cancel_stops_new_items_and_accounts_for_every_item(
         )
         client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         n = 60
-        f = await client.files.create(file=("in.jsonl", slow_lines(model, n)), purpose="batch")
-        batch = await client.batches.create(
-            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
-
-        async def some_done() -> bool:
-            counts = (await client.batches.retrieve(batch.id)).request_counts
-            return counts is not None and counts.completed >= 2
-
-        await until(some_done, what="the first results")
+        batch = await slow_batch_under_way(client, model, n, started=2)
         cancelling = await client.batches.cancel(batch.id)
         assert cancelling.status == "cancelling" and cancelling.cancelling_at
         done = await final_batch(client, batch.id)

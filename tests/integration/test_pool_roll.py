@@ -23,7 +23,11 @@ from launch.services import Child
 from schemas.names import batch_results_pattern, batch_results_topic, pool_pattern, pool_topic, request_epoch
 from tests.harness import Harness, harness, worker_process
 from tests.integration.test_batch_api import chat_line, final_batch, jsonl, until
-from tests.integration.test_batch_durability import every_line, slow_lines, stop_frontend
+from tests.integration.test_batch_durability import (
+    every_line,
+    slow_batch_under_way,
+    stop_frontend,
+)
 
 ROLL_S = 6.0
 
@@ -225,16 +229,7 @@ async def test_a_rolled_batch_survives_a_killed_worker_and_a_frontend_restart(
             _, url = await h.add_frontend(**fe)
             client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             n = 30
-            f = await client.files.create(file=("in.jsonl", slow_lines(model, n)), purpose="batch")
-            batch = await client.batches.create(
-                input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
-
-            async def some_done() -> bool:
-                b = await client.batches.retrieve(batch.id)
-                return b.request_counts is not None and b.request_counts.completed >= 4
-
-            await until(some_done, what="the first results")
+            batch = await slow_batch_under_way(client, model, n)
             # A worker dies with items running (never committed: the other worker runs them), and the frontend
             # holding the deletion lease goes; another one carries on, while epochs keep rolling.
             workers[0].kill()
