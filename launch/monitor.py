@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -37,8 +38,9 @@ def prometheus_binary(name: str = "prometheus") -> str:
     raise FileNotFoundError(f"{name} not found: `make prometheus` unpacks Debian's package into the venv")
 
 
-def config(discovery_url: str, scrape_s: float = 2.0) -> dict[str, Any]:
-    """The Prometheus configuration for a stack whose frontend answers `discovery_url` (JSON is YAML)."""
+def config(discovery_url: str, planners_file: Path, scrape_s: float = 2.0) -> dict[str, Any]:
+    """The Prometheus configuration for a stack whose frontend answers `discovery_url`, and whose planners
+    (`ferry up --autoscale`) are listed in `planners_file` once they run (JSON is YAML)."""
     interval = f"{int(scrape_s * 1000)}ms"
     return {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
@@ -48,7 +50,9 @@ def config(discovery_url: str, scrape_s: float = 2.0) -> dict[str, Any]:
                 "job_name": "ferry",
                 "http_sd_configs": [{"url": discovery_url, "refresh_interval": interval}],
                 "relabel_configs": [{"source_labels": ["ferry_id"], "target_label": "instance"}],
-            }
+            },
+            # The planners are not in the registry; Prometheus re-reads this file when it changes.
+            {"job_name": "ferry-planner", "file_sd_configs": [{"files": [str(planners_file)]}]},
         ],
     }
 
@@ -60,6 +64,18 @@ class Monitor:
         self.child = child
         self.url = url
         self._workdir = workdir
+        self.planners_file = workdir / "planners.json"
+
+    def scrape_planners(self, metrics_urls: dict[str, str]) -> None:
+        """Scrape each planner's /metrics (pool -> URL), its samples labelled with its `pool`."""
+        groups = []
+        for pool, url in metrics_urls.items():
+            parts = urlsplit(url)
+            labels = {"pool": pool, "__metrics_path__": parts.path or "/metrics"}
+            groups.append({"targets": [parts.netloc], "labels": labels})
+        tmp = self.planners_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(groups))
+        tmp.replace(self.planners_file)  # whole, so Prometheus never reads half a file
 
     async def stop(self) -> None:
         """Stop Prometheus and remove its data."""
@@ -74,7 +90,8 @@ async def start_monitor(discovery_url: str, scrape_s: float = 2.0, timeout_s: fl
     binary = prometheus_binary()
     workdir = Path(tempfile.mkdtemp(prefix="ferry-prometheus-"))
     cfg = workdir / "prometheus.yml"
-    cfg.write_text(json.dumps(config(discovery_url, scrape_s), indent=2))
+    (workdir / "planners.json").write_text("[]")
+    cfg.write_text(json.dumps(config(discovery_url, workdir / "planners.json", scrape_s), indent=2))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [binary, f"--config.file={cfg}", f"--storage.tsdb.path={workdir / 'data'}",

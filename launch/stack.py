@@ -337,6 +337,8 @@ async def run_stack(stack: Stack) -> int:
         if stack.settings.autoscale:
             # The planner owns the workers from here: they come and go, and a crashed one is replaced.
             await _autoscale(stack, started, workers, planners)
+            for monitor in (m for m in services if isinstance(m, Monitor)):
+                monitor.scrape_planners({local.planner.pool: local.metrics_url for local in planners})
             workers.clear()
             children = [*fronts]
             watched += [asyncio.create_task(local.planner.run(stop), name="planner") for local in planners]

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from launch.services import Child
-from tests.harness import sse_events
+from tests.harness import sse_events, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -88,6 +88,7 @@ class Autoscaled:
 
     url: str
     lines: Lines
+    banner: list[str]  # what it printed up to its ready line
     loops: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
     results: list[str | None] = dataclasses.field(default_factory=list)
     code: int | None = None  # its exit code, once stopped
@@ -106,7 +107,7 @@ async def autoscaled(flags: list[str], model_path: Path) -> AsyncIterator[Autosc
     run: Autoscaled | None = None
     try:
         url = (await child.wait_for_line(lambda line: line.startswith("ferry-ready "), 120)).split()[1]
-        run = Autoscaled(url, Lines(child))
+        run = Autoscaled(url, Lines(child), list(child.tail))
         yield run
     finally:
         if run is not None:
@@ -156,7 +157,7 @@ async def test_autoscale_sizes_the_decode_pool_apart_from_the_prefill_pool(model
         "--workers", "0", "--prefill-workers", "1", "--decode-workers", "1", "--min-workers", "1",
         "--max-workers", "2", "--scale-out-cooldown-s", "2", "--scale-in-cooldown-s", "4", "--scale-in-stable", "2",
         "--worker-capacity", "4", "--worker-start-s", "2", "--ttft-p90-target-s", "2", "--itl-p90-target-s", "0.2",
-        "--speedup", "5",
+        "--speedup", "5", "--monitor",
     ]  # fmt: skip
     async with autoscaled(flags, model_path) as run:
         decode_starts = run.lines.of("planner: started decode-")
@@ -172,6 +173,15 @@ async def test_autoscale_sizes_the_decode_pool_apart_from_the_prefill_pool(model
         assert not prefill_starts, prefill_starts
         assert all("decode-1 drained and exited with code 0" in line for line in drains), drains
         assert not crashes, crashes
+        # --monitor's Prometheus scrapes both planners, each series labelled with its pool.
+        prometheus = next(ln.split()[1] for ln in run.banner if ln.startswith("Prometheus "))
+        async with httpx.AsyncClient(base_url=prometheus, timeout=10) as p:
+
+            async def both_planners() -> bool:
+                r = await p.get("/api/v1/query", params={"query": "ferry_planner_desired_workers"})
+                return {s["metric"].get("pool") for s in r.json()["data"]["result"]} == {"prefill", "decode"}
+
+            await until(both_planners, 30)
     failures = [r for r in run.results if r is not None]
     assert len(run.results) >= 16 and not failures, failures[:5]
     assert run.code == 0

@@ -36,6 +36,7 @@ def test_rules_behave_as_their_unit_tests_say() -> None:
 
 
 def test_ferry_up_monitor_config_is_valid(tmp_path: Path) -> None:
-    cfg = tmp_path / "prometheus.yml"
-    cfg.write_text(json.dumps(config("http://127.0.0.1:8000/discovery/prometheus")))
+    cfg, planners = tmp_path / "prometheus.yml", tmp_path / "planners.json"
+    planners.write_text(json.dumps([{"targets": ["127.0.0.1:9200"], "labels": {"pool": "decode"}}]))
+    cfg.write_text(json.dumps(config("http://127.0.0.1:8000/discovery/prometheus", planners)))
     assert "2 rule files found" in promtool("check", "config", cfg)
