@@ -165,7 +165,7 @@ ROWS: list[Row] = [
     ]),
     Row("Planner", [
         Panel("Workers: desired vs live", "short", {
-            "desired {{instance}}": "max by (instance) (ferry_planner_desired_workers)",
+            "desired {{instance}} {{pool}}": "max by (instance, pool) (ferry_planner_desired_workers)",
             "live": "max(ferry_live_workers)",
         }, optional="planner"),
         Panel("Planner decisions", "short", {

@@ -27,6 +27,11 @@ def test_shipped_config_is_valid() -> None:
     assert "2 rule files found" in out
 
 
+def test_disaggregated_kubernetes_config_is_valid() -> None:
+    out = promtool("check", "config", ROOT / "deploy" / "kubernetes-disagg" / "prometheus.yml")
+    assert "SUCCESS" in out
+
+
 def test_rules_are_valid() -> None:
     promtool("check", "rules", *sorted((PROM / "rules").glob("*.yml")))
 
