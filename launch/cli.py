@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Sequence
+
+from launch.log_setup import setup_logging
 
 USAGE = """usage: ferry COMMAND [flags]
 
@@ -35,9 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from launch.stack import load_stack, resolve_stack_model, run_stack
 
         stack = load_stack(rest)
-        logging.basicConfig(
-            level=stack.frontend.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+        setup_logging(stack.frontend.log_level)
         return uvloop.run(run_stack(resolve_stack_model(stack)))
     if cmd == "frontend":
         from launch.frontend import main as frontend_main

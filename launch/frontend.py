@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import sys
 from collections.abc import Callable, Generator, Sequence
 from types import FrameType
@@ -14,6 +13,7 @@ import uvicorn
 
 from launch.flags import load
 from launch.gc_tune import settle_gc
+from launch.log_setup import setup_logging
 from launch.model_prepare import ModelPrepareError
 from launch.model_source import resolve_model
 from schemas.settings import FrontendSettings
@@ -61,10 +61,7 @@ class ReadyServer(uvicorn.Server):
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags and FERRY_* variables, then serve HTTP until SIGTERM/SIGINT."""
     settings = load(FrontendSettings, argv, prog="ferry frontend")
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    setup_logging(settings.log_level)
     try:
         app = create_app(resolve_model(settings))
     except (TenantsError, ModelPrepareError) as exc:

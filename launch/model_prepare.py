@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from launch.log_setup import setup_logging
 from schemas.settings import DEFAULT_MODEL_NAME
 
 log = logging.getLogger(__name__)
@@ -196,10 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")
     parser.add_argument("--quiet", action="store_true", help="log warnings only and print nothing on success")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING if args.quiet else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(logging.WARNING if args.quiet else logging.INFO)
     try:
         out = args.out or (Path(default_out) if args.gguf is None else gguf_model_dir(args.gguf))
         path = prepare_model(out, force=args.force, progress=not args.quiet, gguf=args.gguf)

@@ -14,6 +14,7 @@ from prometheus_client import start_http_server
 from kvstore.connect import redis_client
 from kvstore.registry import Registry
 from launch.flags import load
+from launch.log_setup import setup_logging
 from planner.actuators import Actuator, GaugeOnly, KubernetesDeployment
 from planner.kafka_lag import KafkaLag
 from planner.latency import FrontendScraper, PrometheusSource, fixed_frontends, registered_frontends
@@ -87,5 +88,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = load(PlannerSettings, argv, prog="ferry planner")
     if not s.min_workers <= s.max_workers:
         raise SystemExit("ferry planner: --min-workers must not exceed --max-workers")
-    logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(s.log_level)
     return uvloop.run(run(s))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import sys
 from collections.abc import Sequence
@@ -12,6 +11,7 @@ import uvloop
 
 from launch.flags import load_with_engine_flags
 from launch.gc_tune import settle_gc
+from launch.log_setup import setup_logging
 from launch.model_prepare import ModelPrepareError
 from launch.model_source import resolve_model
 from schemas.settings import WorkerSettings
@@ -32,11 +32,7 @@ async def _amain(settings: WorkerSettings, engine: Engine) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, vLLM engine flags and FERRY_* variables, then run one worker until SIGTERM/SIGINT."""
     settings, engine_flags = load_with_engine_flags(WorkerSettings, argv, prog="ferry worker")
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    setup_logging(settings.log_level)
     try:
         # Before anything connects: a --model that is no model, a flag vLLM does not know, or one Ferry
         # owns, is refused here.

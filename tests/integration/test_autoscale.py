@@ -163,6 +163,8 @@ async def test_autoscale_sizes_the_decode_pool_apart_from_the_prefill_pool(model
         decode_starts = run.lines.of("planner: started decode-")
         prefill_starts = run.lines.of("planner: started prefill-")
         drains, crashes = run.lines.of("drained and exited"), run.lines.of("exited unexpectedly")
+        # The planners scrape every frontend each second: httpx must not log a line for each scrape.
+        request_lines = run.lines.of("httpx: HTTP Request")
         async with httpx.AsyncClient(base_url=run.url, timeout=60) as c:
             burst = asyncio.Event()
             run.loops += [asyncio.create_task(keep_streaming(c, burst, 60, run.results)) for _ in range(16)]
@@ -182,6 +184,7 @@ async def test_autoscale_sizes_the_decode_pool_apart_from_the_prefill_pool(model
                 return {s["metric"].get("pool") for s in r.json()["data"]["result"]} == {"prefill", "decode"}
 
             await until(both_planners, 30)
+        assert not request_lines, request_lines[:3]
     failures = [r for r in run.results if r is not None]
     assert len(run.results) >= 16 and not failures, failures[:5]
     assert run.code == 0
