@@ -143,11 +143,11 @@ class VllmStack:
             return (await c.get(st.metrics_url)).text
 
     async def metrics(self, worker_id: str) -> dict[str, float]:
-        """The worker's /metrics samples without labels but its `model` and `worker`, by name."""
+        """The worker's /metrics samples without labels but its `model`, `worker` and `worker_role`, by name."""
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(await self.metrics_text(worker_id)):
             for sample in family.samples:
-                if set(sample.labels) <= {"model", "worker"}:
+                if set(sample.labels) <= {"model", "worker", "worker_role"}:
                     out[sample.name] = sample.value
         return out
 
