@@ -60,10 +60,11 @@ class LocalWorkers:
         spawn: Callable[[str], Awaitable[Child]],
         worker: WorkerSettings,
         ready_timeout_s: float,
-        prefix: str = "worker",
+        pool: PlannerPool = "all",
     ) -> None:
         self._spawn = spawn
-        self._prefix = prefix  # a started worker is named `<prefix>-<n>`
+        self.pool = pool  # whose workers it starts and drains: all of the model's, or one pool's
+        self.prefix = "worker" if pool == "all" else pool  # a started worker is named `<prefix>-<n>`
         self._grace_s = worker.drain_grace_s
         self._ready_timeout_s = ready_timeout_s
         self.workers: dict[str, Managed] = {}
@@ -110,7 +111,7 @@ class LocalWorkers:
         """Start workers up to `desired`, or drain the newest ones down to it."""
         active = self.active()
         for _ in range(desired - len(active)):
-            name = f"{self._prefix}-{self._next}"
+            name = f"{self.prefix}-{self._next}"
             self._next += 1
             self._watch(await self._spawn(name), State.STARTING)
             log.info("planner: started %s", name)
@@ -175,10 +176,9 @@ async def start_planner(
     kafka: str,
     redis_url: str,
     actuator: LocalWorkers,
-    pool: PlannerPool = "all",
 ) -> LocalPlanner:
-    """Build the planner of a local stack's `pool`: the registry, its frontends' /metrics, Kafka lag, local
-    workers."""
+    """Build the planner of a local stack's workers (the actuator's pool): the registry, its frontends'
+    /metrics, Kafka lag, local workers."""
     from prometheus_client import start_http_server
 
     from launch.services import free_port
@@ -198,6 +198,6 @@ async def start_planner(
     registry = Registry(redis, RedisKeys(worker.redis_prefix))
     # Frontends from the registry: one started beside `ferry up` (same Redis and prefix) counts too.
     scraper = FrontendScraper(http, registered_frontends(registry, model), model)
-    planner = Planner(policy, model, registry, scraper, lag, actuator, metrics, pool=pool)
+    planner = Planner(policy, model, registry, scraper, lag, actuator, metrics, pool=actuator.pool)
     url = f"http://127.0.0.1:{server.server_port}/metrics"
     return LocalPlanner(planner, actuator, url, [lag.close, http.aclose, redis.aclose, server.shutdown])

@@ -24,6 +24,8 @@ from schemas.settings import default_home
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "docker" / "prometheus" / "rules"
+# Beside the configuration: the planners' scrape targets (file_sd), written once they run.
+PLANNERS_FILE = "planners.json"
 
 
 def prometheus_binary(name: str = "prometheus") -> str:
@@ -64,7 +66,7 @@ class Monitor:
         self.child = child
         self.url = url
         self._workdir = workdir
-        self.planners_file = workdir / "planners.json"
+        self.planners_file = workdir / PLANNERS_FILE
 
     def scrape_planners(self, metrics_urls: dict[str, str]) -> None:
         """Scrape each planner's /metrics (pool -> URL), its samples labelled with its `pool`."""
@@ -90,8 +92,9 @@ async def start_monitor(discovery_url: str, scrape_s: float = 2.0, timeout_s: fl
     binary = prometheus_binary()
     workdir = Path(tempfile.mkdtemp(prefix="ferry-prometheus-"))
     cfg = workdir / "prometheus.yml"
-    (workdir / "planners.json").write_text("[]")
-    cfg.write_text(json.dumps(config(discovery_url, workdir / "planners.json", scrape_s), indent=2))
+    planners = workdir / PLANNERS_FILE
+    planners.write_text("[]")  # no planner until `ferry up --autoscale` has started its own
+    cfg.write_text(json.dumps(config(discovery_url, planners, scrape_s), indent=2))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [binary, f"--config.file={cfg}", f"--storage.tsdb.path={workdir / 'data'}",

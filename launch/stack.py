@@ -12,7 +12,7 @@ import secrets
 import signal
 import sys
 from collections.abc import Awaitable, Sequence
-from typing import Any, cast
+from typing import Any
 
 from launch.autoscale import LocalPlanner, LocalWorkers, start_planner
 from launch.flags import ENGINE_EPILOG, EPILOG, add_flags, from_namespace, given, split_engine_flags, to_argv
@@ -118,18 +118,17 @@ def load_stack(argv: Sequence[str] | None = None) -> Stack:
             "ferry up --autoscale: with --prefill-workers/--decode-workers the planners size those two pools; "
             f"--workers must then be 0, not {settings.workers}"
         )
+    sizes = {role: getattr(settings, f"{role}_workers") for role in ROLES}
     role_flags = {
         role: parse_role_flags(role, text, worker.engine)
-        for role, text in (("prefill", settings.prefill_flags), ("decode", settings.decode_flags))
-        if text
+        for role in ROLES
+        if (text := getattr(settings, f"{role}_flags"))
     }
     for role in role_flags:
-        if not getattr(settings, f"{role}_workers"):
+        if not sizes[role]:
             raise SystemExit(f"ferry up: --{role}-flags without --{role}-workers: no worker would take them")
     pool_engine_flags = [
-        [*engine_flags, *role_flags.get(role, RoleFlags()).engine]
-        for role in ROLES
-        if getattr(settings, f"{role}_workers")
+        [*engine_flags, *role_flags.get(role, RoleFlags()).engine] for role in ROLES if sizes[role]
     ]
     if pools and worker.engine == "vllm" and not all(kv_connector_given(f) for f in pool_engine_flags):
         raise SystemExit(
@@ -144,11 +143,11 @@ def load_stack(argv: Sequence[str] | None = None) -> Stack:
             f"ferry up: {NIXL_PORT_ENV} gives every NIXL engine on this host the same side-channel port: unset "
             "it, and each worker picks a free one"
         )
-    starting = [(f"{role}_workers", getattr(settings, f"{role}_workers")) for role in ROLES] if pools else []
-    for name, count in starting or [("workers", settings.workers)]:
+    starting = {f"{role}-workers": n for role, n in sizes.items()} if pools else {"workers": settings.workers}
+    for flag, count in starting.items():
         if settings.autoscale and not planner.min_workers <= count <= planner.max_workers:
             raise SystemExit(
-                f"ferry up --autoscale: --{name.replace('_', '-')} {count} (the starting count) must lie between "
+                f"ferry up --autoscale: --{flag} {count} (the starting count) must lie between "
                 f"--min-workers {planner.min_workers} and --max-workers {planner.max_workers}"
             )
     return Stack(settings, frontend, worker, to_argv(frontend, only=passed), to_argv(worker, only=passed),
@@ -290,21 +289,22 @@ async def _autoscale(
     one for the aggregated workers, or one per pool (prefill sized by TTFT, decode by ITL, as
     deploy/kubernetes-disagg does)."""
     s, p = stack.settings, stack.planner
-    pools: tuple[str, ...] = ROLES if s.prefill_workers + s.decode_workers else ("",)
-    for role in pools:
+    pools: tuple[PlannerPool, ...] = (
+        ("prefill", "decode") if s.prefill_workers + s.decode_workers else ("all",)
+    )
+    for pool in pools:
+        role = "" if pool == "all" else pool
 
         def spawn(name: str, role: str = role) -> Awaitable[Child]:
             return Child.spawn(name, _worker_argv(stack, started.kafka, started.redis, name, role))
 
-        actuator = LocalWorkers(spawn, stack.worker, s.ready_timeout_s, prefix=role or "worker")
-        actuator.adopt([w for w in workers if w.name.startswith(f"{role or 'worker'}-")])
-        local = await start_planner(
-            p, stack.worker, started.kafka, started.redis, actuator, pool=cast(PlannerPool, role or "all")
-        )
+        actuator = LocalWorkers(spawn, stack.worker, s.ready_timeout_s, pool)
+        actuator.adopt([w for w in workers if w.name.startswith(f"{actuator.prefix}-")])
+        local = await start_planner(p, stack.worker, started.kafka, started.redis, actuator)
         planners.append(local)
-        sized = f"{role} pool" if role else "workers"
+        sized = "workers" if pool == "all" else f"{pool} pool"
         ttft, itl = f"TTFT p90 <= {p.ttft_p90_target_s}s", f"ITL p90 <= {p.itl_p90_target_s}s"
-        target = {"prefill": ttft, "decode": itl}.get(role, f"{ttft}, {itl}")
+        target = {"prefill": ttft, "decode": itl}.get(pool, f"{ttft}, {itl}")
         print(
             f"planner: {sized} {p.min_workers}-{p.max_workers}, {target}; its metrics {local.metrics_url}",
             flush=True,

@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import httpx
 
@@ -43,7 +43,6 @@ from schemas.ops_settings import PlannerPolicySettings, PlannerPool
 from schemas.settings import WorkerSettings
 
 MODEL = "SmolLM2-135M-Instruct"
-POOLS = ("prefill", "decode")
 
 
 class ReactivePolicy(Policy):
@@ -157,9 +156,9 @@ async def run_system(
             return spawn
 
         # One fleet of aggregated workers, or (--pools) a prefill pool and a decode pool, each its own actuator.
-        roles: tuple[str, ...] = POOLS if args.pools else ("",)
+        pools: tuple[PlannerPool, ...] = ("prefill", "decode") if args.pools else ("all",)
         actuators = {
-            role: LocalWorkers(spawner(role), worker, 120.0, prefix=role or "worker") for role in roles
+            pool: LocalWorkers(spawner("" if pool == "all" else pool), worker, 120.0, pool) for pool in pools
         }
         for actuator in actuators.values():
             cleanup.push_async_callback(_quietly, actuator.stop_all)
@@ -189,10 +188,8 @@ async def run_system(
         tasks: list[asyncio.Task[Any]] = []
         if name in ("planner", "hpa"):
             # With pools, one planner per pool, as `ferry up --autoscale` runs them.
-            for role, actuator in actuators.items():
-                local = await start_planner(
-                    policy, worker, kafka, redis, actuator, pool=cast(PlannerPool, role or "all")
-                )
+            for actuator in actuators.values():
+                local = await start_planner(policy, worker, kafka, redis, actuator)
                 cleanup.push_async_callback(_quietly, local.close)
                 if name == "hpa":
                     local.planner.policy = ReactivePolicy(policy, args.slots, window_s=args.ramp_s / 8)
@@ -200,7 +197,7 @@ async def run_system(
                 planners.append(local)
         worker_seconds = 0.0
         samples: list[tuple[float, int]] = []
-        by_pool: dict[str, int] = dict.fromkeys(roles, 0)  # the most workers each pool had at once
+        by_pool: dict[str, int] = dict.fromkeys(pools, 0)  # the most workers each pool had at once
 
         async def meter() -> None:
             nonlocal worker_seconds
@@ -209,8 +206,8 @@ async def run_system(
                 await asyncio.sleep(0.5)  # the sampling period of the worker count
                 now = time.monotonic()
                 n = sum(len(a.workers) for a in actuators.values())
-                for role, a in actuators.items():
-                    by_pool[role] = max(by_pool[role], len(a.workers))
+                for pool, a in actuators.items():
+                    by_pool[pool] = max(by_pool[pool], len(a.workers))
                 worker_seconds += n * (now - last)
                 samples.append((now - t0, n))
                 last = now
