@@ -17,12 +17,15 @@ its release): vLLM would fail the request (its `kv_load_failure_policy` "fail");
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from schemas.kafka import GenerateRequest
+
+log = logging.getLogger("ferry.worker")
 
 # Each NIXL engine listens on this side channel for its peers' handshakes; vLLM's default (5600) is one port
 # per host, so two workers on one host would collide.
@@ -34,14 +37,22 @@ class ConnectorConfig(Protocol):
     """What Ferry reads and sets of vLLM's KVTransferConfig."""
 
     kv_connector: str | None
+    kv_connector_module_path: str | None
     kv_load_failure_policy: Any
 
 
 def prepare_connector(config: ConnectorConfig, engine_flags: Sequence[str]) -> str:
-    """Ready the engine's KV connector for P/D attempts (a side-channel port, the failure policy); its name."""
+    """Ready the engine's KV connector for P/D attempts (a side-channel port, the failure policy, the example
+    connector's guard); its name as the operator gave it."""
     if not any("kv_load_failure_policy" in flag for flag in engine_flags):
         config.kv_load_failure_policy = "recompute"
     connector = config.kv_connector or ""
+    if connector == "ExampleConnector" and not config.kv_connector_module_path:
+        from workers import vllm_example_connector as guarded
+
+        config.kv_connector, config.kv_connector_module_path = guarded.CLASS, guarded.MODULE
+        log.info("KV connector ExampleConnector runs as %s.%s (vllm#53495: a negative cache hit kills its engine)",
+                 guarded.MODULE, guarded.CLASS)  # fmt: skip
     side_channel_port(connector)
     return connector
 

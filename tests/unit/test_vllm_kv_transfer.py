@@ -64,6 +64,7 @@ class Config:
 
     kv_connector: str | None
     kv_load_failure_policy: Any = "fail"  # vLLM's default
+    kv_connector_module_path: str | None = None
 
 
 def test_a_failed_kv_load_is_recomputed_unless_the_operator_chose_a_policy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,3 +78,15 @@ def test_a_failed_kv_load_is_recomputed_unless_the_operator_chose_a_policy(monke
     prepare_connector(config, chosen)
     assert config.kv_load_failure_policy == "fail"
     assert prepare_connector(Config(None), []) == ""
+
+
+def test_the_example_connector_runs_guarded_unless_the_operator_names_a_module() -> None:
+    config = Config("ExampleConnector")
+    assert prepare_connector(config, []) == "ExampleConnector"  # Ferry's own logic goes by the given name
+    assert (config.kv_connector, config.kv_connector_module_path) == (
+        "GuardedExampleConnector",
+        "workers.vllm_example_connector",
+    )
+    own = Config("ExampleConnector", kv_connector_module_path="my.connectors")
+    prepare_connector(own, [])
+    assert (own.kv_connector, own.kv_connector_module_path) == ("ExampleConnector", "my.connectors")

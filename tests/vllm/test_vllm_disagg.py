@@ -11,10 +11,12 @@ import json
 import sys
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from launch.services import Child, free_port
 from schemas.kafka import GenerateRequest, KVFrom, SamplingParams
@@ -42,8 +44,7 @@ async def worker(wid: str, role: str, kind: str, store: Path, kafka: str, redis_
                  model_path: Path) -> tuple[Child, str]:  # fmt: skip
     """A vLLM worker process of `role`, its engine's connector of `kind`; heartbeats 4 s apart (dead after
     12 s): two engines prefilling beside the session's other workers starve a worker's loop of the two cores
-    for longer than the shared stack's 1.5 s, and once in a full `make test` for longer than 6 s (both workers
-    left the registry during the first request). With the URL of its /metrics."""
+    for longer than the shared stack's 1.5 s. With the URL of its /metrics."""
     connector = connector_config(kind, role, store)
     port = free_port()
     argv = [sys.executable, "-m", "launch", "worker", "--engine", "vllm", "--role", role, "--worker-id", wid,
@@ -113,6 +114,14 @@ async def test_a_prompt_prefilled_on_one_vllm_engine_is_decoded_on_another_from_
             local_headers, reference, _ = await read(local_url, {**body, "prompt": PROMPT})
             assert local_headers["x-ferry-disagg"] == "local"
             assert text == reference
+            # Prompts vLLM's own example connector answers with a negative cache hit, killing its engine (the
+            # second of each, once the first was stored): one token (as the canary's), and a block and one.
+            for prompt in ([0], [0], list(range(1, 34)), list(range(1, 34))):
+                await read(local_url, {**body, "prompt": prompt, "max_tokens": 2})
+        except BaseException:
+            for child in children:  # pytest shows what the workers said beside the failure
+                print(f"--- {child.name}, last output:", *child.tail[-40:], sep="\n")
+            raise
         finally:
             await asyncio.gather(*(c.stop(30) for c in children))
 
@@ -141,3 +150,26 @@ async def test_a_decode_engine_that_cannot_reach_the_prefill_engine_computes_the
         assert lost[1] == "length"
     finally:
         await engine.stop()
+
+
+def test_the_example_connector_never_counts_a_negative_cache_hit(tmp_path: Path) -> None:
+    # vllm#53495: once any prompt shorter than a block was stored (its aligned prefix is empty), a one-token
+    # prompt "hits" -block_size tokens, and the engine dies on its next step. Ferry runs the guarded class.
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+
+    from workers.vllm_example_connector import GuardedExampleConnector
+
+    def connector(cls: type[ExampleConnector]) -> ExampleConnector:
+        c = cls.__new__(cls)  # the counting needs only these two of the engine's settings
+        c._block_size, c._storage_path = 32, str(tmp_path)
+        return c
+
+    stored = connector(ExampleConnector)._generate_foldername_debug(torch.tensor([], dtype=torch.long), [])
+    Path(stored).mkdir()
+    one_token = SimpleNamespace(prompt_token_ids=[0], mm_features=[])
+    assert connector(ExampleConnector).get_num_new_matched_tokens(one_token, 0)[0] == -32  # type: ignore[arg-type]
+    assert connector(GuardedExampleConnector).get_num_new_matched_tokens(one_token, 0) == (0, False)  # type: ignore[arg-type]
+    # k blocks and one token, the k blocks in the engine's own prefix cache: -32 again, unguarded.
+    repeated = SimpleNamespace(prompt_token_ids=list(range(33)), mm_features=[])
+    assert connector(ExampleConnector).get_num_new_matched_tokens(repeated, 32)[0] == -32  # type: ignore[arg-type]
+    assert connector(GuardedExampleConnector).get_num_new_matched_tokens(repeated, 32) == (0, False)  # type: ignore[arg-type]
