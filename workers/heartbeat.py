@@ -111,7 +111,14 @@ class Heartbeat:
         """Heartbeat every interval, forever; Redis outages are logged once and retried."""
         interval = self._settings.heartbeat_interval_s
         while True:
+            slept_from = time.monotonic()
             await asyncio.sleep(interval)  # the heartbeat period itself, not a wait for an event
+            late = time.monotonic() - slept_from - interval
+            if late > interval:
+                # The one sign, in the worker's own log, of why routers may have dropped it: its event loop
+                # was held (a blocking call) or starved of CPU, and the registry's TTL counts on neither.
+                log.warning("heartbeat %.1fs late: the event loop was blocked or starved of CPU (the registry "
+                            "drops this worker after %.1fs without one)", late, self.ttl_s)  # fmt: skip
             try:
                 await self.once()
                 if not self._redis_ok:
