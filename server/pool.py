@@ -166,11 +166,9 @@ class WorkerPool:
         for wid in added:
             log.info("worker %s joined (model %s, engine %s)", wid, new[wid].model, new[wid].engine)
         for wid in gone:
-            if wid in view.dead:
-                # Its status expired: the worker died, or its heartbeats stopped coming (its own log says why).
-                log.warning("worker %s left the registry: no heartbeat within its TTL", wid)
-            else:
-                log.warning("worker %s left the registry", wid)
+            # An expired status: the worker died, or its heartbeats stopped coming (its own log says why).
+            why = ": no heartbeat within its TTL" if wid in view.dead else ""
+            log.warning("worker %s left the registry%s", wid, why)
             self._on_dead(wid, False)
         for wid in restarted:
             log.warning("worker %s restarted: what it was running is lost", wid)

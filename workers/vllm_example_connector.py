@@ -21,10 +21,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import Examp
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-MODULE = __name__
-CLASS = "GuardedExampleConnector"
-
-
 class GuardedExampleConnector(ExampleConnector):
     """ExampleConnector whose external cache hit is never negative."""
 

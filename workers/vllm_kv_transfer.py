@@ -48,11 +48,11 @@ def prepare_connector(config: ConnectorConfig, engine_flags: Sequence[str]) -> s
         config.kv_load_failure_policy = "recompute"
     connector = config.kv_connector or ""
     if connector == "ExampleConnector" and not config.kv_connector_module_path:
-        from workers import vllm_example_connector as guarded
+        from workers.vllm_example_connector import GuardedExampleConnector as Guarded
 
-        config.kv_connector, config.kv_connector_module_path = guarded.CLASS, guarded.MODULE
+        config.kv_connector, config.kv_connector_module_path = Guarded.__name__, Guarded.__module__
         log.info("KV connector ExampleConnector runs as %s.%s (vllm#53495: a negative cache hit kills its engine)",
-                 guarded.MODULE, guarded.CLASS)  # fmt: skip
+                 Guarded.__module__, Guarded.__name__)  # fmt: skip
     side_channel_port(connector)
     return connector
 
