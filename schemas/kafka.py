@@ -143,6 +143,15 @@ class ErrorInfo(msgspec.Struct, frozen=True):
     retriable: bool = False
 
 
+# A worker's last chunk with one of these codes ends its attempt, not the sequence: the worker can no longer run
+# it, and the frontend moves it to another worker (server/streams.py). `ENGINE_DEAD`: the engine died with the
+# sequence in it, which makes the sequence a suspect (a request that kills every engine it meets is not moved
+# again and again); `WORKER_STOPPED`: the worker stops on a fatal error of its own.
+ENGINE_DEAD = "engine_dead"
+WORKER_STOPPED = "worker_stopped"
+ATTEMPT_LOST = frozenset({ENGINE_DEAD, WORKER_STOPPED})
+
+
 class ChunkUsage(msgspec.Struct, frozen=True):
     """Token accounting for one sequence, sent with its last chunk."""
 

@@ -29,8 +29,8 @@ from server.kafka_io import Dispatcher, ReplyDemux
 from server.kv_indexer import KVIndexer
 from server.logprobs import LogprobFormatter
 from server.lora_admin import AckInbox, LoraAdmin
+from server.losses import Migrations
 from server.metrics import FrontendMetrics
-from server.migration import Migrations
 from server.model_files import ModelFiles
 from server.pool import WorkerPool
 from server.preprocess import Preprocessor

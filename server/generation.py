@@ -18,8 +18,9 @@ from server.delivery import RequestLog
 from server.disagg import Placement, place, serving
 from server.errors import APIError
 from server.kafka_io import Dispatcher, ReplyDemux
+from server.losses import Migrations
 from server.metrics import FrontendMetrics, observe_times
-from server.migration import Migrations, Mover
+from server.migration import Mover
 from server.pool import WorkerPool
 from server.preprocess import Prepared
 from server.router import AllBusy, Decision, PromptMemo, Router
@@ -359,10 +360,10 @@ class Generation:
             return
         self._detach(self.svc.dispatcher.cancel(worker_id, seq.request_id, parked.attempt))
 
-    def fail(self, seq: Sequence, message: str, code: str = "worker_died") -> None:
-        """End a sequence with a (retriable) error of the frontend's own, and stop its worker on it."""
+    def fail(self, seq: Sequence, message: str, code: str = "worker_died", retriable: bool = True) -> None:
+        """End a sequence with an error of the frontend's own, and stop its worker on it."""
         worker_id = seq.worker_id
-        self.end(seq, self.stream.ending(seq.request_id, ErrorInfo(code, message, retriable=True)))
+        self.end(seq, self.stream.ending(seq.request_id, ErrorInfo(code, message, retriable)))
         self._detach(self.svc.dispatcher.cancel(worker_id, seq.request_id))
 
     def _detach(self, work: Coroutine[Any, Any, None], name: str | None = None) -> None:

@@ -107,7 +107,8 @@ class FrontendMetrics:
         )
         self.migrations = Counter(
             "ferry_migrations",
-            "Sequence moves to another worker: reason (worker_died, log_lost, chunk_lost, request_lost; handoff: "
+            "Sequence moves to another worker: reason (worker_died, engine_died, worker_stopped, log_lost, chunk_lost, "
+            "request_lost; handoff: "
             "a disaggregated sequence's move from its prefill to its decode worker) and "
             "outcome (moved: the new attempt was sent; failed: the sequence ended with an error instead)",
             ["reason", "outcome"],

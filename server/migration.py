@@ -1,8 +1,9 @@
-"""Moving sequences whose attempt was lost: the frontend's one policy for it, and each sequence's move.
+"""Moving sequences whose attempt was lost: each sequence's move.
 
 Every loss travels one way. Its detector (the worker pool for a dead worker, the replies reader for a
-log the broker lost, a stream for a missing chunk, the delivery check for a request without answer)
-calls this module; `Migrations` decides for the frontend and each request's `Mover` moves its sequences.
+log the broker lost, a stream for a missing chunk or a worker's word that it cannot finish an attempt, the
+delivery check for a request without answer) calls `Migrations` (server/losses.py), which decides for the
+frontend, or the request's `Mover` directly, which moves its sequences.
 A sequence's move state (`MoveState`) changes only through `transition`.
 
 A move routes the sequence again as a prompt of the original prompt plus the tokens it has received,
@@ -17,23 +18,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
-from aiokafka import AIOKafkaProducer
 
-from bus.produce import refresh_metadata
-from kvstore.kv_index import KVIndex
-from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, GenerateRequest, KVFrom
+from schemas.kafka import Chunk, ChunkUsage, GenerateRequest, KVFrom
 from server.errors import APIError
-from server.kafka_io import Dispatcher, ReplyDemux
-from server.metrics import FrontendMetrics
+from server.losses import POISON_CODE, engine_death
 from server.move_needs import MovingRequest, Services
-from server.router import Decision, PromptMemo, Router
+from server.router import Decision, PromptMemo
 from server.streams import Loss, MoveState, Sequence, marker
 
 log = logging.getLogger("ferry.frontend")
@@ -50,6 +46,9 @@ REPLIES_IN_DOUBT_S = 60.0
 
 T = TypeVar("T")
 
+# Losses of a worker, which --migration-limit bounds.
+_WORKER_LOSSES = frozenset({Loss.WORKER_DIED, Loss.ENGINE_DIED, Loss.WORKER_STOPPED})
+
 _TRANSITIONS: dict[MoveState, set[MoveState]] = {
     MoveState.IN_PLACE: {MoveState.MOVING},
     MoveState.MOVING: {MoveState.MOVING_AGAIN, MoveState.IN_PLACE},
@@ -62,76 +61,6 @@ def transition(seq: Sequence, to: MoveState) -> None:
     if to not in _TRANSITIONS[seq.move]:
         raise AssertionError(f"{seq.request_id}: no move transition from {seq.move.name} to {to.name}")
     seq.move = to
-
-
-class Migrations:
-    """The frontend's policy for lost workers and lost logs: which sequences move, what is logged and counted."""
-
-    def __init__(
-        self,
-        demux: ReplyDemux,
-        dispatcher: Dispatcher,
-        producer: AIOKafkaProducer,
-        router: Router,
-        index: KVIndex,
-        metrics: FrontendMetrics,
-        migration_limit: int,
-        grace_s: float,
-        spawn: Callable[[Awaitable[Any]], None],
-    ) -> None:
-        self._demux = demux
-        self._dispatcher = dispatcher
-        self._producer = producer
-        self._router = router
-        self._index = index
-        self._metrics = metrics
-        self._limit = migration_limit
-        self._grace_s = grace_s
-        self._spawn = spawn
-        # Monotonic time the broker was last seen to have lost the replies log (REPLIES_IN_DOUBT_S).
-        self.log_lost_at = -math.inf
-
-    def worker_gone(self, worker_id: str, restarted: bool) -> None:
-        """A worker left the registry (or restarted under its id): its open sequences move.
-
-        A worker that drained cleanly left after its last chunks were acknowledged; the reply reader gets
-        `grace_s` (one heartbeat) to deliver them before anything still open counts as lost.
-        """
-        asyncio.get_running_loop().call_later(self._grace_s, self._lose, worker_id)
-        self._router.forget_worker(worker_id)
-        if not restarted:  # a restarted worker swept its own entries and is publishing new ones
-            self._spawn(self._index.clear_worker(worker_id))
-
-    def log_lost(self) -> None:
-        """The broker lost the replies log (an empty restart): every open sequence is sent again.
-
-        The producer's metadata is refreshed too, or what it writes next may stay unseen for a while
-        (docs/architecture.md, broker quirk "stale producer metadata"; moves have a watchdog).
-        """
-        self.log_lost_at = time.monotonic()
-        self._lose(None)
-        self._spawn(refresh_metadata(self._producer))
-
-    def _lose(self, worker_id: str | None) -> None:
-        what = f"worker {worker_id} stopped responding" if worker_id else "the message broker lost its log"
-        why = Loss.WORKER_DIED if worker_id else Loss.LOG_LOST
-        error = ErrorInfo("worker_died", what, retriable=True)
-        lost = self._demux.open_sequences(worker_id)
-        if not lost:
-            return
-        self._metrics.worker_failures.inc(len(lost))
-        log.error(
-            "%s with %d sequence(s) in flight; moving them (migration limit %d)", what, len(lost), self._limit
-        )
-        for stream, seq in lost:
-            if stream.on_lost is not None:
-                # A moving sequence sends the Cancel itself, once its old worker's late chunks no longer count.
-                stream.on_lost(seq, why)
-                continue
-            stream.fail(seq.request_id, error)
-            if worker_id is not None:
-                # A worker that only missed heartbeats (a pause, a Redis hiccup) is still generating: stop it.
-                self._spawn(self._dispatcher.cancel(worker_id, seq.request_id))
 
 
 class Mover:
@@ -149,10 +78,20 @@ class Mover:
                 return
         except ReferenceError:  # its request was dropped without closing (it failed to start): nothing reads it
             return
-        if why is Loss.WORKER_DIED:
+        if why in _WORKER_LOSSES:
             seq.moves += 1  # what --migration-limit bounds; the broker's losses are not the request's doing
         elif why is Loss.CHUNK_LOST:
             self._svc.metrics.reply_gaps.inc()
+        if why in (Loss.ENGINE_DIED, Loss.WORKER_STOPPED):
+            # Its worker said so itself: it is going, whatever the registry says yet (its other sequences move
+            # once it has left); nothing may be routed there meanwhile, least of all this sequence.
+            self._svc.pool.depart(seq.lost_on, why.value)
+            self._svc.metrics.worker_failures.inc()
+            refusal = engine_death(seq) if why is Loss.ENGINE_DIED else None
+            if refusal is not None:
+                seq.move_reason = why.name.lower()
+                self._fail(seq, refusal, POISON_CODE, retriable=False)
+                return
         if seq.move is not MoveState.IN_PLACE:
             # Lost again while moving: two moves at once would both claim the next attempt with different
             # tokens so far. (A broker that loses its log twice, as the embedded one does after an empty
@@ -179,10 +118,10 @@ class Mover:
         seq.move_reason = "handoff"
         self._req.own(self._migrate(seq), f"handoff-{seq.request_id}")
 
-    def _fail(self, seq: Sequence, message: str) -> None:
+    def _fail(self, seq: Sequence, message: str, code: str = "worker_died", retriable: bool = True) -> None:
         """The move failed: the sequence ends with an error (counted as the move's outcome)."""
         self._svc.metrics.migrations.labels(seq.move_reason, "failed").inc()
-        self._req.fail(seq, message)
+        self._req.fail(seq, message, code, retriable)
 
     def watch(self, seq: Sequence, request: GenerateRequest, offset: int) -> None:
         """Send a first attempt again if it gets no answer and the broker no longer holds its request."""

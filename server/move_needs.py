@@ -15,7 +15,7 @@ from server.router import Decision, PromptMemo, Router
 from server.streams import ClientStream, Sequence
 
 if TYPE_CHECKING:
-    from server.migration import Migrations
+    from server.losses import Migrations
 
 
 class MovingRequest(Protocol):
@@ -53,7 +53,7 @@ class MovingRequest(Protocol):
         """Drop the decode attempt parked for `seq` on `worker_id`."""
         ...
 
-    def fail(self, seq: Sequence, message: str, code: str = "worker_died") -> None:
+    def fail(self, seq: Sequence, message: str, code: str = "worker_died", retriable: bool = True) -> None:
         """End a sequence with an error of the frontend's own."""
         ...
 

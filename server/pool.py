@@ -56,6 +56,9 @@ class WorkerPool:
         self._max_waiters = max_waiters
         self._waiters = 0
         self._task: asyncio.Task[None] | None = None
+        # Workers that said they stop (`depart`), by the start time of the process that said it: the registry
+        # may list them a while yet, and a new process under the same id is another worker.
+        self._departed: dict[str, float] = {}
 
     @property
     def registry(self) -> Registry:
@@ -141,7 +144,9 @@ class WorkerPool:
         t0 = time.perf_counter()
         view = await self._registry.view()
         self._metrics.redis_seconds.labels("registry").observe(time.perf_counter() - t0)
-        new = {w.worker_id: w for w in view.live}
+        listed = {w.worker_id: w for w in view.live}
+        self._departed = {wid: t for wid, t in self._departed.items() if wid in listed or wid in view.dead}
+        new = {wid: w for wid, w in listed.items() if self._departed.get(wid) != w.started_at}
         lost_data, self._marker = self._marker is not None and view.marker != self._marker, view.marker
         if lost_data and self.workers:
             # Kept for one registry TTL: time for every live worker's next heartbeat to register it again.
@@ -154,7 +159,7 @@ class WorkerPool:
         if time.monotonic() < self._keep_until:
             # Not yet registered again is not dead: nothing they run is lost, nothing needs to move.
             new = {wid: w for wid, w in self.workers.items() if wid not in view.dead} | new
-        gone = (set(self.workers) - set(new)) | set(view.dead)
+        gone = (set(self.workers) - set(new)) | (set(view.dead) - set(self._departed))
         added = set(new) - set(self.workers)
         # A worker killed and started again under its id within the heartbeat TTL never leaves the
         # registry, but the process that held its sequences is gone: a new start time says so.
@@ -181,6 +186,17 @@ class WorkerPool:
         # Wake everyone waiting for a refresh, then re-arm for the next one.
         self._refreshed.set()
         self._refreshed.clear()
+
+    def depart(self, worker_id: str, why: str) -> None:
+        """A worker said it stops (`why`): out of routing now, as if it had left the registry."""
+        worker = self.workers.pop(worker_id, None)
+        if worker is None:
+            return
+        self._departed[worker_id] = worker.started_at
+        log.warning("worker %s left routing: %s", worker_id, why)
+        self._metrics.live_workers.set(len(self.workers))
+        self._changed.set()
+        self._on_dead(worker_id, False)
 
     def _mark_down(self, exc: BaseException) -> None:
         self._metrics.redis_errors.inc()

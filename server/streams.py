@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from schemas.kafka import Chunk, ErrorInfo, GenerateRequest, KVFrom
+from schemas.kafka import ATTEMPT_LOST, ENGINE_DEAD, Chunk, ErrorInfo, GenerateRequest, KVFrom
 from schemas.streams import ToolCallMode
 from server.metrics import FrontendMetrics
 from server.router import Decision
@@ -31,6 +31,8 @@ class Loss(Enum):
     """Why a sequence's attempt can no longer deliver its output (each is answered by moving it)."""
 
     WORKER_DIED = "its worker died"  # left the registry, or restarted under its id
+    ENGINE_DIED = "its engine died"  # the worker's last word for it: the engine died with the sequence in it
+    WORKER_STOPPED = "its worker stopped"  # the worker's last word for it: it stops on a fatal error
     LOG_LOST = "the broker lost the replies log"  # an empty restart: requests and chunks in transit are gone
     CHUNK_LOST = "a reply chunk never reached the topic"  # a gap in the attempt's chunks
     REQUEST_LOST = "its request got no answer"  # the delivery check: lost by the broker, or in doubt
@@ -68,6 +70,13 @@ class Sequence:
     # chunk is not the request's doing), and the worker to stop once the move in progress is in place.
     moves: int = 0
     moved_from: str = ""
+    # How many tokens the sequence had when its current attempt began counting; the attempt its worker said it
+    # could not finish (ATTEMPT_LOST), and that worker; the workers whose engine died in an attempt of it that
+    # had produced nothing yet (server/losses.py).
+    attempt_from: int = 0
+    lost_attempt: int = -1
+    lost_on: str = ""
+    engine_deaths: list[str] = field(default_factory=list)
     stalls: int = 0  # moves made again because the broker lost their marker or request
     move: MoveState = MoveState.IN_PLACE  # changed only through server/migration.py's transitions
     move_reason: str = "worker_died"  # the Loss (lower-case name) that started the move under way
@@ -146,9 +155,13 @@ class ClientStream:
                 return  # from a worker the sequence already moved away from
             # The first chunk of a newer attempt is its marker, written before the request was sent.
             seq.attempt = chunk.attempt
+            seq.attempt_from = len(seq.token_ids)
             seq.broken = False
             seq.switched.set()
         if chunk.seq < seq.next_seq:
+            return
+        if chunk.error is not None and chunk.error.code in ATTEMPT_LOST:
+            self._attempt_lost(seq, chunk)
             return
         if seq.broken and not (chunk.seq == seq.next_seq and chunk.finish_reason == "error"):
             return  # only an error ending (the frontend's own, when the move fails) still counts
@@ -179,6 +192,17 @@ class ClientStream:
             return
         self._items.append((seq, chunk))
         self._ready.set()
+
+    def _attempt_lost(self, seq: Sequence, chunk: Chunk) -> None:
+        """The worker's last word for an attempt it cannot finish: not the sequence's end. Nothing more of the
+        attempt counts and the sequence moves, as when its worker dies (a replay skips the chunk alike)."""
+        if seq.broken:
+            return  # already moving (a chunk of the attempt went missing)
+        seq.broken = True
+        seq.lost_attempt, seq.lost_on = seq.attempt, chunk.worker_id
+        assert chunk.error is not None
+        if self.on_lost is not None:
+            self.on_lost(seq, Loss.ENGINE_DIED if chunk.error.code == ENGINE_DEAD else Loss.WORKER_STOPPED)
 
     def ending(self, request_id: str, error: ErrorInfo) -> Chunk | None:
         """The chunk that ends one sequence with an error that did not come from its worker."""

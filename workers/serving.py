@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -13,7 +14,16 @@ import msgspec
 
 from bus.topics import RequestTopics
 from kvstore.bells import Bells
-from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, FinishReason, GenerateRequest, KVFrom, Release
+from schemas.kafka import (
+    ENGINE_DEAD,
+    Chunk,
+    ChunkUsage,
+    ErrorInfo,
+    FinishReason,
+    GenerateRequest,
+    KVFrom,
+    Release,
+)
 from workers.engine import Engine, EngineDead, EngineError, EngineOutput
 from workers.engine_base import OutputStream
 from workers.metrics import WorkerMetrics
@@ -109,7 +119,7 @@ class Serving:
         self.step_s = 0.0
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
-        # What requests cut short tell their clients: set by fail_all. None (abandon) sends no last word, so
+        # What requests cut short tell their frontends: set by fail_all. None (abandon) sends no last word, so
         # frontends count them lost once this worker leaves the registry and move them to another worker.
         self._stop_error: ErrorInfo | None = None
 
@@ -166,7 +176,8 @@ class Serving:
         self._stop_error = error
         for rid, task in list(self._inflight.items()):
             task.cancel()
-            await self._engine.abort(rid)
+            with contextlib.suppress(Exception):  # a dead engine may refuse it; the task's last word goes anyway
+                await self._engine.abort(rid)
         await self._cancel_all()
 
     async def abandon(self) -> None:
@@ -321,8 +332,9 @@ class Serving:
             metrics.requests.labels("cancelled").inc()
             raise
         except EngineDead as exc:
-            # As from a dead worker, no last word: an error chunk would reach the client, while silence lets
-            # frontends move the stream once this worker leaves routing (workers/worker.py abandons the rest).
+            # The attempt's last word says that the engine died under it: its frontend moves the sequence at once
+            # and counts the death against it (schemas/kafka.py, ENGINE_DEAD); the client sees no error.
+            self._outbox.put(req, self._ending(att, ErrorInfo(ENGINE_DEAD, str(exc), retriable=True)))
             self._on_fatal(exc)
             metrics.requests.labels("error").inc()
         except EngineError as exc:

@@ -114,8 +114,10 @@ class SimEngine(EngineLifecycle):
         self.receiver = KVReceiver(self.config, self._pool.longest_prefix)  # KV from prefill workers
         # Tests: an engine that stops stepping but still passes check_health (what the canary catches).
         self.hung = False
-        # Tests: a step loop that dies at its next step, as vLLM's EngineCore process can.
+        # Tests: a step loop that dies at its next step (as vLLM's EngineCore process can), or at one that takes a
+        # request `poison` picks (an engine bug that one request sets off).
         self.crash = False
+        self.poison: Callable[[GenerateRequest], bool] | None = None
         self._room: Callable[[], Awaitable[None]] | None = None  # pace_outputs
         self.pacer = StepPacer()
 
@@ -314,6 +316,8 @@ class SimEngine(EngineLifecycle):
                     await self._room()
                     pacer.working()
                 step = None if self.hung else self._schedule()
+                if step is not None and self.poison is not None and any(self.poison(q.request) for q, _ in step.work.values()):
+                    raise RuntimeError("simulated engine crash on a poison request")
                 if step is None:
                     pacer.idle()
                     self._wake.clear()

@@ -20,7 +20,7 @@ from kvstore.bells import Bells
 from kvstore.connect import redis_client
 from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
-from schemas.kafka import ErrorInfo, GenerateRequest
+from schemas.kafka import ENGINE_DEAD, WORKER_STOPPED, ErrorInfo, GenerateRequest
 from schemas.names import RedisKeys, batch_results_topic, pool_topic
 from schemas.settings import WorkerSettings
 from workers.canary import Canary
@@ -165,11 +165,10 @@ class Worker:
             if self._fatal is not None:
                 log.error("worker %s stopping after a fatal error: %r", s.worker_id, self._fatal)
                 await self.heartbeat.leave()
-                if isinstance(self._fatal, EngineDead):  # hung (CanaryFailed) or dead: the same for streams
-                    # Frontends move what ran here once they see us gone (workers/canary.py).
-                    await self.serving.abandon()
-                else:
-                    await self.serving.fail_all(ErrorInfo("engine_dead", str(self._fatal), retriable=True))
+                # Each sequence still here ends with a word that has its frontend move it at once; a dead or hung
+                # (CanaryFailed) engine's also counts against the sequence (schemas/kafka.py, ATTEMPT_LOST).
+                code = ENGINE_DEAD if isinstance(self._fatal, EngineDead) else WORKER_STOPPED
+                await self.serving.fail_all(ErrorInfo(code, str(self._fatal), retriable=True))
                 return 1
             await self._drain()
             return 0

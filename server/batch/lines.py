@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from schemas.batch import ItemMeta
-from schemas.kafka import Chunk, ErrorInfo
+from schemas.kafka import ATTEMPT_LOST, Chunk, ErrorInfo
 from schemas.openai import Usage, json_encoder
 from server.errors import APIError, error_status
 from server.kinds import BY_PATH
@@ -21,7 +21,7 @@ from server.responses import absorb
 from server.shapes import ChoiceState, Finished
 
 # Errors that mean "this worker stopped before finishing", not "this request failed": the item comes back.
-INTERRUPTED = frozenset({"worker_stopped", "engine_dead", "worker_died"})
+INTERRUPTED = ATTEMPT_LOST | {"worker_died"}
 
 
 @dataclass

@@ -78,7 +78,8 @@ async def test_hung_engine_is_caught_and_its_stream_moves(h: Harness, redis_url:
 
 async def test_a_dead_engines_stream_finishes_on_another_worker(h: Harness, redis_url: str, prefix: str) -> None:
     """A dead engine (its step loop gone, as when vLLM's EngineCore exits) takes its worker out as a dead
-    worker: no client sees an `engine_dead` error, the stream finishes on another worker."""
+    worker: no client sees an `engine_dead` error, the stream finishes on another worker, moved by the worker's last
+    word for it (schemas/kafka.py, ENGINE_DEAD)."""
     # No canary: the death itself must be what takes the worker out. Slow heartbeats: on a loaded host a
     # missed one must not pass for the death (leaving is immediate).
     victim = await h.add_worker(canary_wait_s=0, speedup=1.0, heartbeat_interval_s=2.0)
@@ -100,7 +101,7 @@ async def test_a_dead_engines_stream_finishes_on_another_worker(h: Harness, redi
         assert await asyncio.wait_for(victim.task, 30) == 1  # exits non-zero, for its supervisor
         assert isinstance(victim.worker._fatal, EngineDead) and "crash" in str(victim.worker._fatal)
         assert await _gone(redis, RedisKeys(prefix), vid)
-        assert fe.metrics.migrations.labels("worker_died", "moved")._value.get() == 1
+        assert fe.metrics.migrations.labels("engine_died", "moved")._value.get() == 1
         # The rest of the stream was generated on the rescuer.
         assert rescuers[0].worker.metrics.generated_tokens._value.get() > 0
     finally:

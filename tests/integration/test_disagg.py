@@ -254,7 +254,7 @@ async def test_prefill_worker_lost_before_its_token_is_migrated(h: Harness) -> N
     assert_complete(events, 40)
     assert text_of(events) == text_of(reference)
     assert generated(prefill) == 0
-    assert fe.metrics.migrations.labels("worker_died", "moved")._value.get() == 1
+    assert fe.metrics.migrations.labels("engine_died", "moved")._value.get() == 1
     assert fe.metrics.migrations.labels("handoff", "moved")._value.get() == 0  # an ordinary move
 
 
@@ -280,7 +280,7 @@ async def test_decode_worker_lost_mid_stream_is_migrated(h: Harness) -> None:
     assert_complete(events, 120)
     assert text_of(events) == text_of(reference)
     assert fe.metrics.migrations.labels("handoff", "moved")._value.get() == 1
-    assert fe.metrics.migrations.labels("worker_died", "moved")._value.get() == 1
+    assert fe.metrics.migrations.labels("engine_died", "moved")._value.get() == 1
     assert await asyncio.wait_for(victim.task, 30) == 1  # its engine did die
 
 

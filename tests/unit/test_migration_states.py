@@ -30,7 +30,7 @@ class FakeRequest:
         coro.close()
         self.started.append(name)
 
-    def fail(self, seq: Sequence, message: str, code: str = "worker_died") -> None:
+    def fail(self, seq: Sequence, message: str, code: str = "worker_died", retriable: bool = True) -> None:
         self.failed.append(message)
 
 

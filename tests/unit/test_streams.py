@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from schemas.kafka import Chunk, ErrorInfo
+from server.losses import engine_death
 from server.router import Decision
-from server.streams import ClientStream, Sequence, marker
+from server.streams import ClientStream, Loss, Sequence, marker
 
 
 def stream() -> ClientStream:
@@ -113,3 +114,36 @@ def test_a_joined_chunk_counts_as_the_chunks_it_carries() -> None:
     s.on_lost = lambda seq, why: lost.append(why.name)
     accepted(s, [Chunk(RID, 0, [1, 2], span=2), Chunk(RID, 3, [4])])
     assert lost == ["CHUNK_LOST"]
+
+
+def test_a_workers_word_that_it_cannot_finish_an_attempt_moves_the_sequence_and_a_replay_skips_it() -> None:
+    dead = ErrorInfo("engine_dead", "step loop crashed", retriable=True)
+    chunks = [
+        Chunk(RID, 0, [1]),
+        Chunk(RID, 1, finish_reason="error", error=dead, worker_id="w1"),
+        Chunk(RID, 1, [9]),  # nothing more of the attempt counts
+        marker(RID, 1, "w2"),
+        Chunk(RID, 1, [2], attempt=1),
+        Chunk(RID, 2, finish_reason="error", error=ErrorInfo("worker_stopped", "x", True), worker_id="w2", attempt=1),
+        marker(RID, 2, "w3"),
+        Chunk(RID, 2, [3], finish_reason="length", attempt=2),
+    ]
+    live, losses = stream(), []
+    live.on_lost = lambda seq, why: losses.append((why, seq.lost_on, seq.attempt_from))
+    out = accepted(live, chunks)
+    assert out == [(0, 0, [1]), (1, 1, [2]), (2, 2, [3])]
+    assert losses == [(Loss.ENGINE_DIED, "w1", 0), (Loss.WORKER_STOPPED, "w2", 1)]
+    assert live.sequences[RID].finished and live.sequences[RID].token_ids == [1, 2, 3]
+    assert accepted(stream(), chunks) == out  # a replay (no mover) accepts the same chunks
+
+
+def test_a_sequence_is_not_moved_again_after_two_engine_deaths_in_attempts_that_produced_nothing() -> None:
+    seq = stream().sequences[RID]
+    seq.lost_on = "w1"
+    assert engine_death(seq) is None and seq.engine_deaths == ["w1"]
+    # Generating on its next worker when that engine died: a bystander there, not counted.
+    seq.token_ids, seq.lost_on = [1, 2], "w2"
+    assert engine_death(seq) is None and seq.engine_deaths == ["w1"]
+    seq.attempt_from, seq.lost_on = 2, "w3"
+    refusal = engine_death(seq)
+    assert refusal is not None and "w1, w3" in refusal and seq.engine_deaths == ["w1", "w3"]
