@@ -21,6 +21,7 @@ from launch.model_source import resolve_model
 from launch.monitor import Monitor, start_monitor
 from launch.role_flags import ROLES, RoleFlags, parse_role_flags
 from launch.services import Child, free_port, start_broker, start_redis
+from launch.supervise import READY_MARK, WorkerSupervisor
 from schemas.ops_settings import PlannerPolicySettings, PlannerPool, StackSettings
 from schemas.settings import ENV_PREFIX, FrontendSettings, WorkerSettings
 from server.tenants import TenantsError, configured_tenants
@@ -244,7 +245,7 @@ async def _start(
             workers.append(await Child.spawn(name, _worker_argv(stack, kafka, redis, name, role)))
     await asyncio.gather(
         *(
-            w.wait_for_line(lambda line: line.startswith("ferry-worker-ready"), s.ready_timeout_s)
+            w.wait_for_line(lambda line: line.startswith(READY_MARK), s.ready_timeout_s)
             for w in workers
         )
     )
@@ -342,6 +343,17 @@ async def run_stack(stack: Stack) -> int:
             workers.clear()
             children = [*fronts]
             watched += [asyncio.create_task(local.planner.run(stop), name="planner") for local in planners]
+        else:
+            # A worker that exits is started again (launch/supervise.py); the stack stops only with its frontend.
+            children = [*fronts]
+
+            def respawn(name: str) -> Awaitable[Child]:
+                role = name.rpartition("-")[0]
+                argv = _worker_argv(stack, started.kafka, started.redis, name, "" if role == "worker" else role)
+                return Child.spawn(name, argv)
+
+            supervisor = WorkerSupervisor(workers, respawn, stack.settings.ready_timeout_s)
+            watched.append(asyncio.create_task(supervisor.run(), name="workers"))
         watched += [asyncio.create_task(c.proc.wait()) for c in children]
         done, _ = await asyncio.wait([stopping, *watched], return_when=asyncio.FIRST_COMPLETED)
         if stopping not in done:
@@ -350,6 +362,7 @@ async def run_stack(stack: Stack) -> int:
             code = 1
         for t in watched:
             t.cancel()
+        await asyncio.gather(*watched, return_exceptions=True)  # (a worker being started again is in the list)
     except (TimeoutError, RuntimeError) as exc:
         log.error("the stack did not come up: %s", exc)
         code = 1

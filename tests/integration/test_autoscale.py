@@ -9,14 +9,14 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from launch.services import Child
-from tests.harness import sse_events, until
+from tests.harness import Lines, sse_events, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -47,39 +47,6 @@ async def keep_streaming(
 ) -> None:
     while not stop.is_set():
         out.append(await stream(c, max_tokens))
-
-
-class Lines:
-    """Output lines of a child that contain given texts, collected from now on, with an event per new match."""
-
-    def __init__(self, child: Child) -> None:
-        self.seen: dict[str, list[str]] = {}
-        self._changed = asyncio.Event()
-        # A watcher that never completes: it only looks at each line as the relay reads it.
-        self._watch = asyncio.ensure_future(child.wait_for_line(self._match, 3600))
-        self._watch.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-    def of(self, text: str) -> list[str]:
-        """The lines containing `text` (a live list)."""
-        return self.seen.setdefault(text, [])
-
-    def _match(self, line: str) -> bool:
-        for text, lines in self.seen.items():
-            if text in line:
-                lines.append(line)
-                self._changed.set()
-        return False
-
-    async def until(self, condition: Callable[[], bool], timeout_s: float) -> None:
-        """Wait until `condition` holds, re-checking at every matching line."""
-        async with asyncio.timeout(timeout_s):
-            while not condition():
-                self._changed.clear()
-                await self._changed.wait()
-
-    def close(self) -> None:
-        """Stop watching."""
-        self._watch.cancel()
 
 
 @dataclasses.dataclass
