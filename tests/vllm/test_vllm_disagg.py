@@ -123,7 +123,8 @@ async def test_a_prompt_prefilled_on_one_vllm_engine_is_decoded_on_another_from_
                 print(f"--- {child.name}, last output:", *child.tail[-40:], sep="\n")
             raise
         finally:
-            await asyncio.gather(*(c.stop(30) for c in children))
+            codes = await asyncio.gather(*(c.stop(30) for c in children))
+        assert codes == [0, 0]  # both drained and stopped cleanly
 
 
 async def test_a_decode_engine_that_cannot_reach_the_prefill_engine_computes_the_prompt(

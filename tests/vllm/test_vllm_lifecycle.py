@@ -17,7 +17,15 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from bus.topics import ensure_topics
-from schemas.kafka import Chunk, GenerateRequest, SamplingParams, chunks_of, reply_decoder, request_encoder
+from schemas.kafka import (
+    ENGINE_DEAD,
+    Chunk,
+    GenerateRequest,
+    SamplingParams,
+    chunks_of,
+    reply_decoder,
+    request_encoder,
+)
 from schemas.names import request_topic
 from schemas.settings import DEFAULT_MODEL_NAME as BASE
 from server.model_files import ModelFiles
@@ -128,10 +136,14 @@ async def test_engine_death_takes_the_worker_out(vllm_stack: VllmStack) -> None:
                 "the worker did not exit after its engine died; its last lines:\n" + "\n".join(child.tail)
             )
         assert rc != 0
-        # No last word, as from a dead worker: a frontend moves the sequence (tests/integration/test_canary.py).
+        # Its last word for the sequence says that the engine died with it: a frontend moves it at once and counts
+        # the death against it (tests/integration/test_poison.py); no client sees the error.
         rest = await consumer.getmany(tp, timeout_ms=1000)
         chunks += [c for rec in rest.get(tp, []) for c in chunks_of(reply_decoder.decode(rec.value))]
-        assert all(c.finish_reason is None for c in chunks), msgspec.json.encode(chunks[-1])
+        *output, last = chunks
+        assert all(c.finish_reason is None for c in output), msgspec.json.encode(output[-1])
+        assert last.finish_reason == "error" and last.error is not None, msgspec.json.encode(last)
+        assert last.error.code == ENGINE_DEAD and last.error.retriable, msgspec.json.encode(last)
         assert any("stopping after a fatal error" in line for line in child.tail), child.tail
         assert await stack.status(wid) is None
         assert stack.frontend is not None and stack.frontend.svc is not None
