@@ -303,6 +303,22 @@ class BatchStore:
         """Give a claim back when the result could not be sent."""
         await self.redis.delete(self.keys.batch_item_done(item_id))
 
+    # ---- items that kill engines -----------------------------------------------------------------
+
+    async def note_engine_deaths(self, item_ids: Iterable[str], ttl_s: int) -> None:
+        """An engine died with these items in it, none of which had produced anything: one more death each."""
+        pipe = self.redis.pipeline(transaction=False)
+        for item_id in item_ids:
+            key = self.keys.batch_item_deaths(item_id)
+            pipe.incr(key)
+            pipe.expire(key, ttl_s)
+        await pipe.execute()
+
+    async def engine_deaths(self, item_ids: list[str]) -> list[int]:
+        """How many engine deaths each item met so far (`note_engine_deaths`)."""
+        raws = await self.redis.mget([self.keys.batch_item_deaths(i) for i in item_ids]) if item_ids else []
+        return [_int(r) for r in raws]
+
     # ---- ownership -------------------------------------------------------------------------------
 
     async def lock(self, batch_id: str, owner: str, ttl_s: float) -> bool:

@@ -150,6 +150,11 @@ class ErrorInfo(msgspec.Struct, frozen=True):
 ENGINE_DEAD = "engine_dead"
 WORKER_STOPPED = "worker_stopped"
 ATTEMPT_LOST = frozenset({ENGINE_DEAD, WORKER_STOPPED})
+# A sequence (or batch item) whose engine died this many times while it had produced nothing there ends with
+# REPEATED_ENGINE_DEATH instead of being run again: it is the likeliest cause (server/losses.py). One death
+# alone says little: whatever started in the same step as the cause dies with it.
+ENGINE_DEATHS_LIMIT = 2
+REPEATED_ENGINE_DEATH = "repeated_engine_death"
 
 
 class ChunkUsage(msgspec.Struct, frozen=True):

@@ -203,6 +203,10 @@ class RedisKeys:
         """`ItemMeta` of one Kafka-native batch item (expires)."""
         return f"{self.prefix}bitem:{item_id}"
 
+    def batch_item_deaths(self, item_id: str) -> str:
+        """Engine deaths a batch item met before it produced anything (workers/pool_consumer.py; expires)."""
+        return f"{self.prefix}bitem:{item_id}:deaths"
+
     def batch_item_done(self, item_id: str) -> str:
         """Set once a Kafka-native item's result was sent (deduplication; expires)."""
         return f"{self.prefix}bitem:{item_id}:done"

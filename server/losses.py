@@ -19,7 +19,7 @@ from aiokafka import AIOKafkaProducer
 
 from bus.produce import refresh_metadata
 from kvstore.kv_index import KVIndex
-from schemas.kafka import ErrorInfo
+from schemas.kafka import ENGINE_DEATHS_LIMIT, ErrorInfo
 from server.kafka_io import Dispatcher, ReplyDemux
 from server.metrics import FrontendMetrics
 from server.router import Router
@@ -27,11 +27,6 @@ from server.streams import Loss, Sequence
 
 log = logging.getLogger("ferry.frontend")
 
-# Engine deaths a sequence may meet in attempts where it produced nothing before it ends with an error. One
-# alone says little (a sequence that had just started shares its step with whatever killed the engine); the
-# same sequence at the start of two steps that killed two engines is the likeliest cause.
-ENGINE_DEATHS_LIMIT = 2
-POISON_CODE = "repeated_engine_death"
 
 
 def engine_death(seq: Sequence) -> str | None:

@@ -25,9 +25,9 @@ from typing import TypeVar
 
 import msgspec
 
-from schemas.kafka import Chunk, ChunkUsage, GenerateRequest, KVFrom
+from schemas.kafka import REPEATED_ENGINE_DEATH, Chunk, ChunkUsage, GenerateRequest, KVFrom
 from server.errors import APIError
-from server.losses import POISON_CODE, engine_death
+from server.losses import engine_death
 from server.move_needs import MovingRequest, Services
 from server.router import Decision, PromptMemo
 from server.streams import Loss, MoveState, Sequence, marker
@@ -90,7 +90,7 @@ class Mover:
             refusal = engine_death(seq) if why is Loss.ENGINE_DIED else None
             if refusal is not None:
                 seq.move_reason = why.name.lower()
-                self._fail(seq, refusal, POISON_CODE, retriable=False)
+                self._fail(seq, refusal, REPEATED_ENGINE_DEATH, retriable=False)
                 return
         if seq.move is not MoveState.IN_PLACE:
             # Lost again while moving: two moves at once would both claim the next attempt with different

@@ -10,7 +10,8 @@ Items run through the worker's ordinary request path, so their chunks go to the 
 like any reply. An item's offset is committed only after its last chunk has been acknowledged by
 the broker; an item that was interrupted (worker stopping, engine dead) is never marked done, so
 whoever owns the partition next runs it again. Delivery is therefore at least once; the batch
-coordinator keeps one result per item.
+coordinator keeps one result per item. An item that kills every engine it meets would take the whole pool
+down, again as workers restart: at ENGINE_DEATHS_LIMIT deaths before its first token it ends with an error.
 """
 
 from __future__ import annotations
@@ -32,7 +33,16 @@ from bus.epochs import metadata_age_ms
 from bus.read_spec import BATCH_FETCH_WAIT_MS, Batch, Hooks, Options, Poll, Subscribe
 from bus.reader import Reader
 from kvstore.batch_store import BatchStore
-from schemas.kafka import Chunk, GenerateRequest, PoolItem, joined_chunk, pool_decoder
+from schemas.kafka import (
+    ENGINE_DEATHS_LIMIT,
+    REPEATED_ENGINE_DEATH,
+    Chunk,
+    ErrorInfo,
+    GenerateRequest,
+    PoolItem,
+    joined_chunk,
+    pool_decoder,
+)
 from schemas.names import pool_group, pool_pattern, pool_topic
 from schemas.settings import WorkerSettings
 from workers.engine import Engine
@@ -58,6 +68,15 @@ class PoolHost(Protocol):
 
     async def flush_replies(self, timeout_s: float) -> bool:
         """Wait until every queued reply chunk is acknowledged; False if that did not happen in time."""
+        ...
+
+    def send_final(self, req: GenerateRequest, chunk: Chunk) -> None:
+        """Queue the last chunk of a request that is not run here."""
+        ...
+
+    @property
+    def engine_dead(self) -> bool:
+        """True once the worker's engine died or hung (what stopped it, if it stopped)."""
         ...
 
     @property
@@ -188,6 +207,9 @@ class PoolConsumer:
         # Batch sequences running here, and the chunks each produced so far (see `coalesce`).
         self._pool_requests: set[str] = set()
         self._partial: dict[str, list[Chunk]] = {}
+        self._produced: set[str] = set()  # batch sequences that produced a token here
+        # Items in flight when the engine died, none of whose sequences had produced anything: counted on leaving.
+        self._dead_starts: set[str] = set()
         self._stopped: set[str] = set()
         self._taking = True
         self._room = asyncio.Event()
@@ -236,6 +258,13 @@ class PoolConsumer:
         await asyncio.gather(*self._loops, return_exceptions=True)
         if commit and not self.host.failed:
             await self._commit(force_flush=True)
+        if self._dead_starts:
+            # Before leaving the group: whoever takes our partitions next must see the count.
+            try:
+                async with asyncio.timeout(2.0):
+                    await self.store.note_engine_deaths(self._dead_starts, int(_STOPPED_HORIZON_S))
+            except Exception as exc:
+                log.warning("could not count the engine death against %d batch item(s): %r", len(self._dead_starts), exc)
         with contextlib.suppress(Exception):
             await self._reader.stop()
 
@@ -254,8 +283,31 @@ class PoolConsumer:
             self.metrics.items.labels("undecodable").inc()
             track.take(record.offset)
             track.done(record.offset)
-        for record, item in batch.messages:
-            self._take(track, record.offset, item)
+        deaths = await self._engine_deaths([item.item_id for _, item in batch.messages])
+        for (record, item), died in zip(batch.messages, deaths, strict=True):
+            if died >= ENGINE_DEATHS_LIMIT:
+                self._refuse(track, record.offset, item, died)
+            else:
+                self._take(track, record.offset, item)
+
+    async def _engine_deaths(self, item_ids: list[str]) -> list[int]:
+        with contextlib.suppress(Exception):  # Redis away: the items run (a count only stops a runaway)
+            async with asyncio.timeout(2.0):
+                return await self.store.engine_deaths(item_ids)
+        return [0] * len(item_ids)
+
+    def _refuse(self, track: PartitionTrack, offset: int, item: PoolItem, died: int) -> None:
+        """End an item that killed `died` engines before it produced anything, without running it."""
+        log.error("batch item %s: %d engines died while starting it; ending it with an error", item.item_id, died)
+        why = f"{died} engines died while starting this request; it is not retried, as it may be what kills them"
+        error = ErrorInfo(REPEATED_ENGINE_DEATH, why)
+        for req in item.requests:
+            chunk = Chunk(req.request_id, 0, finish_reason="error", error=error, worker_id=self.settings.worker_id)
+            self.host.send_final(req, chunk)
+        self.metrics.items.labels("refused").inc()
+        track.take(offset)
+        track.done(offset)
+        self._commit_wanted.set()
 
     async def _wait_for_room(self, got_records: bool) -> None:
         if self._room_now <= 0:
@@ -334,15 +386,20 @@ class PoolConsumer:
 
     def _finish(self, run: _ItemRun) -> None:
         self._runs.pop(run.item.item_id, None)
-        for req in run.item.requests:
-            self._pool_requests.discard(req.request_id)
-            self._partial.pop(req.request_id, None)
+        ids = [req.request_id for req in run.item.requests]
+        produced = any(rid in self._produced for rid in ids)
+        for rid in ids:
+            self._pool_requests.discard(rid)
+            self._partial.pop(rid, None)
+            self._produced.discard(rid)
         self._sequences -= len(run.tasks)
         self.metrics.inflight.set(self._sequences)
         interrupted = self.host.failed or any(t.cancelled() for t in run.tasks)
         if interrupted:
             # Not done: whoever owns the partition next runs it again.
             self.metrics.items.labels("interrupted").inc()
+            if self.host.engine_dead and not produced:
+                self._dead_starts.add(run.item.item_id)
         else:
             self.metrics.items.labels("done").inc()
             for track, offset in run.places:
@@ -361,6 +418,8 @@ class PoolConsumer:
             return chunk
         parts = self._partial.setdefault(req.request_id, [])
         parts.append(chunk)
+        if chunk.token_ids:
+            self._produced.add(req.request_id)
         if chunk.finish_reason is None:
             return None
         del self._partial[req.request_id]

@@ -20,7 +20,7 @@ from kvstore.bells import Bells
 from kvstore.connect import redis_client
 from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
-from schemas.kafka import ENGINE_DEAD, WORKER_STOPPED, ErrorInfo, GenerateRequest
+from schemas.kafka import ENGINE_DEAD, WORKER_STOPPED, Chunk, ErrorInfo, GenerateRequest
 from schemas.names import RedisKeys, batch_results_topic, pool_topic
 from schemas.settings import WorkerSettings
 from workers.canary import Canary
@@ -289,6 +289,15 @@ class Worker:
     async def flush_replies(self, timeout_s: float) -> bool:
         """Wait until every reply chunk queued so far is acknowledged by the broker; False on timeout."""
         return await self._outbox.flush(timeout_s)
+
+    def send_final(self, req: GenerateRequest, chunk: Chunk) -> None:
+        """Queue the last chunk of a request that is not run here."""
+        self._outbox.send_final_nowait(req, chunk)
+
+    @property
+    def engine_dead(self) -> bool:
+        """True once the engine died or hung (a CanaryFailed is an EngineDead too)."""
+        return isinstance(self._fatal, EngineDead)
 
     @property
     def failed(self) -> bool:

@@ -1,19 +1,23 @@
 """A request that kills the engine running it (a poison request) takes two workers down, not every one it is moved
 to: after its second engine death in an attempt that produced nothing its sequence ends with an error. A sequence
 that was generating when its engine died is a bystander: its worker's last word moves it at once, and it finishes
-elsewhere however many engines die under it."""
+elsewhere however many engines die under it. A batch item that kills engines ends with an error the same way,
+instead of taking the pool's workers down one after another."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import httpx
 import pytest
+from openai import AsyncOpenAI
 
 from schemas.kafka import GenerateRequest
 from server.frontend import Frontend
 from tests.harness import Harness, RunningWorker, sse_events, until
+from tests.integration.test_batch_api import chat_line, final_batch, jsonl, model_name
 from workers.sim import SimEngine
 
 pytestmark = pytest.mark.integration
@@ -99,3 +103,32 @@ async def test_a_sequence_generating_when_its_engines_die_moves_at_once_and_fini
 
 async def _exited(workers: list[RunningWorker], n: int) -> bool:
     return sum(w.task.done() for w in workers) == n
+
+
+async def test_a_batch_item_that_kills_engines_ends_with_an_error_and_the_batch_completes(
+    h: Harness, tmp_path: Path
+) -> None:
+    model = model_name()
+    workers = []
+    for _ in range(3):
+        w = await h.add_worker(pool=True, served_model_name=model, speedup=200.0, canary_wait_s=0)
+        assert isinstance(w.worker.engine, SimEngine)
+        w.worker.engine.poison = _is_poison
+        workers.append(w)
+    _, url = await h.add_frontend(batch_api=True, served_model_name=model, batch_dir=str(tmp_path))
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    lines = [chat_line(f"req-{i}", model, f"Question number {i}?") for i in range(4)]
+    lines.append(chat_line("poison", model, "Say anything.", seed=POISON_SEED))
+    f = await client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    batch = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = await final_batch(client, batch.id, 120)
+    assert done.status == "completed", done
+    assert (done.request_counts.completed, done.request_counts.failed) == (4, 1), done.request_counts
+    errors = [json.loads(x) for x in (await client.files.content(done.error_file_id)).text.splitlines()]
+    assert [e["custom_id"] for e in errors] == ["poison"]
+    assert errors[0]["response"]["status_code"] == 500
+    assert errors[0]["response"]["body"]["error"]["code"] == "repeated_engine_death"
+    await until(lambda: _exited(workers, 2), 30)  # (the second may still be closing its clients)
+    (survivor,) = [w for w in workers if not w.task.done()]
+    assert survivor.worker.pool is not None
+    assert survivor.worker.pool.metrics.items.labels("refused")._value.get() == 1
