@@ -342,7 +342,7 @@ async def run_stack(stack: Stack) -> int:
                 monitor.scrape_planners({local.planner.pool: local.metrics_url for local in planners})
             workers.clear()
             children = [*fronts]
-            watched += [asyncio.create_task(local.planner.run(stop), name="planner") for local in planners]
+            watched += [asyncio.create_task(local.planner.run(stop), name="the planner") for local in planners]
         else:
             # A worker that exits is started again (launch/supervise.py); the stack stops only with its frontend.
             children = [*fronts]
@@ -353,12 +353,17 @@ async def run_stack(stack: Stack) -> int:
                 return Child.spawn(name, argv)
 
             supervisor = WorkerSupervisor(workers, respawn, stack.settings.ready_timeout_s)
-            watched.append(asyncio.create_task(supervisor.run(), name="workers"))
+            watched.append(asyncio.create_task(supervisor.run(), name="the worker supervisor"))
         watched += [asyncio.create_task(c.proc.wait()) for c in children]
         done, _ = await asyncio.wait([stopping, *watched], return_when=asyncio.FIRST_COMPLETED)
         if stopping not in done:
-            crashed = [c.name for c in children if c.proc.returncode is not None] or ["the planner"]
+            crashed = [c.name for c in children if c.proc.returncode is not None] or [
+                t.get_name() for t in done if isinstance(t, asyncio.Task)
+            ]
             log.error("%s exited unexpectedly; stopping the stack", ", ".join(crashed))
+            for t in done:
+                if isinstance(t, asyncio.Task) and not t.cancelled() and t.exception() is not None:
+                    log.error("%s failed", t.get_name(), exc_info=t.exception())
             code = 1
         for t in watched:
             t.cancel()
