@@ -29,11 +29,18 @@ class WorkerSupervisor:
     """Starts each worker of `workers` again when it exits; the list always holds the current processes."""
 
     def __init__(
-        self, workers: list[Child], spawn: Callable[[str], Awaitable[Child]], ready_timeout_s: float
+        self,
+        workers: list[Child],
+        spawn: Callable[[str], Awaitable[Child]],
+        ready_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._workers = workers
         self._spawn = spawn
         self._ready_timeout_s = ready_timeout_s
+        self._clock = clock
+        self._sleep = sleep
         self.restarts = 0
 
     async def run(self) -> None:
@@ -42,18 +49,18 @@ class WorkerSupervisor:
 
     async def _keep(self, i: int) -> None:
         delay = FIRST_DELAY_S
-        started = time.monotonic()
+        started = self._clock()
         while True:
             child = self._workers[i]
             code = await child.proc.wait()
-            if time.monotonic() - started >= STABLE_S:
+            if self._clock() - started >= STABLE_S:
                 delay = FIRST_DELAY_S
             log.error(
                 "%s exited unexpectedly with code %s; starting it again in %.0fs", child.name, code, delay
             )
-            await asyncio.sleep(delay)  # a crash loop's pace, not a wait for something
+            await self._sleep(delay)  # a crash loop's pace, not a wait for something
             delay = min(2 * delay, MAX_DELAY_S)
-            started = time.monotonic()
+            started = self._clock()
             self._workers[i] = fresh = await self._spawn(child.name)
             self.restarts += 1
             try:
