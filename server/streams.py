@@ -160,7 +160,8 @@ class ClientStream:
             seq.switched.set()
         if chunk.seq < seq.next_seq:
             return
-        if chunk.error is not None and chunk.error.code in ATTEMPT_LOST:
+        if chunk.error is not None and chunk.error.code in ATTEMPT_LOST and chunk.seq == seq.next_seq:
+            # (After a gap it is a lost chunk's move, below: the tokens in the gap would not be counted.)
             self._attempt_lost(seq, chunk)
             return
         if seq.broken and not (chunk.seq == seq.next_seq and chunk.finish_reason == "error"):

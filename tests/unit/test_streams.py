@@ -147,3 +147,14 @@ def test_a_sequence_is_not_moved_again_after_two_engine_deaths_in_attempts_that_
     seq.attempt_from, seq.lost_on = 2, "w3"
     refusal = engine_death(seq)
     assert refusal is not None and "w1, w3" in refusal and seq.engine_deaths == ["w1", "w3"]
+
+
+def test_a_last_word_after_a_gap_moves_the_sequence_as_a_lost_chunk() -> None:
+    """The chunk before it never arrived: its tokens are unknown here, so the engine's death is not counted
+    against the sequence (it may have been generating); the gap moves it."""
+    s, losses = stream(), []
+    s.on_lost = lambda seq, why: losses.append(why)
+    dead = ErrorInfo("engine_dead", "step loop crashed", retriable=True)
+    out = accepted(s, [Chunk(RID, 0, [1]), Chunk(RID, 2, finish_reason="error", error=dead, worker_id="w1")])
+    assert out == [(0, 0, [1])] and losses == [Loss.CHUNK_LOST]
+    assert not s.sequences[RID].finished and s.sequences[RID].lost_attempt == -1
