@@ -111,6 +111,16 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
+def stack_pids(launcher_pid: int) -> dict[str, int]:
+    """The processes a `ferry up` (`launcher_pid`) runs, by role: kafka, redis, frontend, each worker by its id."""
+    pids: dict[str, int] = {}
+    for pid in children_of(launcher_pid):
+        role = _role(_cmdline(pid))
+        if role is not None:
+            pids[role] = pid
+    return pids
+
+
 def _role(cmdline: list[str]) -> str | None:
     joined = " ".join(cmdline)
     if "tansu" in joined:
@@ -212,12 +222,7 @@ class FerryStack:
         return stack
 
     def _discover(self) -> dict[str, int]:
-        pids: dict[str, int] = {}
-        for pid in children_of(self.child.proc.pid):
-            role = _role(_cmdline(pid))
-            if role is not None:
-                pids[role] = pid
-        return pids
+        return stack_pids(self.child.proc.pid)
 
     def snapshot(self) -> CpuSnapshot:
         """CPU seconds so far of every stack process, this process and the machine."""

@@ -28,7 +28,6 @@ from server.streams import Loss, Sequence
 log = logging.getLogger("ferry.frontend")
 
 
-
 def engine_death(seq: Sequence) -> str | None:
     """Count the engine death that ended the sequence's attempt; the client's error if it must not move again."""
     if len(seq.token_ids) > seq.attempt_from:

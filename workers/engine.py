@@ -8,7 +8,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
-from schemas.kafka import FinishReason, GenerateRequest, TokenLogprob
+from schemas.kafka import ENGINE_DEAD, FinishReason, GenerateRequest, TokenLogprob
 from schemas.kv_events import KVEventBatch
 
 
@@ -62,7 +62,7 @@ class EngineDead(EngineError):
     """The engine itself failed: the worker must leave the registry and exit."""
 
     def __init__(self, message: str) -> None:
-        super().__init__("engine_dead", message, retriable=True)
+        super().__init__(ENGINE_DEAD, message, retriable=True)
 
 
 class _Startable(Protocol):

@@ -51,6 +51,7 @@ log = logging.getLogger("ferry.worker.pool")
 
 # How long a cancelled or expired batch is remembered by workers.
 _STOPPED_HORIZON_S = 7 * 24 * 3600.0
+_DEATHS_TTL_S = 7 * 24 * 3600  # how long an item's engine deaths are counted
 
 
 class PoolHost(Protocol):
@@ -262,7 +263,7 @@ class PoolConsumer:
             # Before leaving the group: whoever takes our partitions next must see the count.
             try:
                 async with asyncio.timeout(2.0):
-                    await self.store.note_engine_deaths(self._dead_starts, int(_STOPPED_HORIZON_S))
+                    await self.store.note_engine_deaths(self._dead_starts, _DEATHS_TTL_S)
             except Exception as exc:
                 log.warning("could not count the engine death against %d batch item(s): %r", len(self._dead_starts), exc)
         with contextlib.suppress(Exception):

@@ -14,16 +14,7 @@ import msgspec
 
 from bus.topics import RequestTopics
 from kvstore.bells import Bells
-from schemas.kafka import (
-    ENGINE_DEAD,
-    Chunk,
-    ChunkUsage,
-    ErrorInfo,
-    FinishReason,
-    GenerateRequest,
-    KVFrom,
-    Release,
-)
+from schemas.kafka import Chunk, ChunkUsage, ErrorInfo, FinishReason, GenerateRequest, KVFrom, Release
 from workers.engine import Engine, EngineDead, EngineError, EngineOutput
 from workers.engine_base import OutputStream
 from workers.metrics import WorkerMetrics
@@ -331,14 +322,12 @@ class Serving:
                 self._outbox.send_final_nowait(req, self._ending(att, self._stop_error))
             metrics.requests.labels("cancelled").inc()
             raise
-        except EngineDead as exc:
-            # The attempt's last word says that the engine died under it: its frontend moves the sequence at once
-            # and counts the death against it (schemas/kafka.py, ENGINE_DEAD); the client sees no error.
-            self._outbox.put(req, self._ending(att, ErrorInfo(ENGINE_DEAD, str(exc), retriable=True)))
-            self._on_fatal(exc)
-            metrics.requests.labels("error").inc()
         except EngineError as exc:
+            # An EngineDead's is the attempt's last word that the engine died under it (code ENGINE_DEAD): its
+            # frontend moves the sequence at once and counts the death against it; the client sees no error.
             self._outbox.put(req, self._ending(att, ErrorInfo(exc.code, str(exc), exc.retriable)))
+            if isinstance(exc, EngineDead):
+                self._on_fatal(exc)
             metrics.requests.labels("error").inc()
         except Exception as exc:
             log.exception("request %s failed in the engine", req.request_id)

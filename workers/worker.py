@@ -167,7 +167,7 @@ class Worker:
                 await self.heartbeat.leave()
                 # Each sequence still here ends with a word that has its frontend move it at once; a dead or hung
                 # (CanaryFailed) engine's also counts against the sequence (schemas/kafka.py, ATTEMPT_LOST).
-                code = ENGINE_DEAD if isinstance(self._fatal, EngineDead) else WORKER_STOPPED
+                code = ENGINE_DEAD if self.engine_dead else WORKER_STOPPED
                 await self.serving.fail_all(ErrorInfo(code, str(self._fatal), retriable=True))
                 return 1
             await self._drain()

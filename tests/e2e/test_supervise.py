@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.stack import stack_pids
 from launch.services import Child
 from schemas.settings import DEFAULT_MODEL_NAME as MODEL
 from tests.harness import Lines, until
@@ -18,15 +19,6 @@ from tests.harness import Lines, until
 pytestmark = pytest.mark.e2e
 
 BODY = {"model": MODEL, "prompt": "ferries cross the harbour", "max_tokens": 4}
-
-
-def _worker_pid(parent: int, name: str) -> int:
-    """The pid of `ferry up`'s child process running worker `name`."""
-    for pid in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if name.encode() in argv:
-            return int(pid)
-    raise AssertionError(f"no child process of {parent} runs {name}")
 
 
 async def test_a_worker_that_dies_is_started_again_and_the_stack_serves_on(model_path: Path) -> None:
@@ -41,11 +33,11 @@ async def test_a_worker_that_dies_is_started_again_and_the_stack_serves_on(model
         url = (await child.wait_for_line(lambda ln: ln.startswith("ferry-ready "), 120)).split()[1]
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
             assert (await c.post("/v1/completions", json=BODY)).status_code == 200
-            first = _worker_pid(child.proc.pid, "worker-0")
+            first = stack_pids(child.proc.pid)["worker-0"]
             exited, back = lines.of("worker-0 exited unexpectedly with code -9"), lines.of("worker-0 is back")
             os.kill(first, signal.SIGKILL)
             await lines.until(lambda: bool(exited and back), 120)
-            assert _worker_pid(child.proc.pid, "worker-0") != first
+            assert stack_pids(child.proc.pid)["worker-0"] != first
 
             async def served() -> bool:
                 # The frontend may not have seen the new process register yet: 503 `no_workers` until it has.

@@ -17,22 +17,12 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from bus.topics import ensure_topics
 from launch.services import Child, free_port
-from schemas.kafka import (
-    Chunk,
-    GenerateRequest,
-    KVFrom,
-    SamplingParams,
-    chunks_of,
-    reply_decoder,
-    request_encoder,
-)
-from schemas.names import request_topic
+from schemas.kafka import KVFrom, SamplingParams
 from schemas.settings import DEFAULT_MODEL_NAME as MODEL
 from tests.harness import harness, sse_events
+from tests.integration.test_worker import Client
 from workers.model_dir import load_model_info
 
 pytestmark = pytest.mark.vllm
@@ -89,27 +79,15 @@ async def read(url: str, body: dict[str, Any]) -> tuple[httpx.Headers, str, dict
 async def direct(kafka: str, worker_id: str, prompt: list[int], kv_from: KVFrom | None) -> tuple[str, str | None]:
     """Greedy 8 tokens of `prompt` from one worker, sent straight to its topic (as a frontend would, without the
     hand-off around it); its text and finish reason."""
-    replies = f"test.pd-direct.{uuid.uuid4().hex[:8]}"
-    await ensure_topics(kafka, {replies: 1})
-    rid = f"direct-{uuid.uuid4().hex[:6]}"
-    req = GenerateRequest(rid, MODEL, prompt, 8, replies, SamplingParams(temperature=0.0), kv_from=kv_from)
-    consumer = AIOKafkaConsumer(bootstrap_servers=kafka, enable_auto_commit=False, fetch_max_wait_ms=20)
-    producer = AIOKafkaProducer(bootstrap_servers=kafka)
-    await consumer.start()
-    await producer.start()
+    client = Client(kafka)
+    await client.start()
     try:
-        tp = TopicPartition(replies, 0)
-        consumer.assign([tp])
-        await consumer.seek_to_beginning(tp)
-        await producer.send_and_wait(request_topic(worker_id), request_encoder.encode(req), key=rid.encode(), partition=0)
-        chunks: list[Chunk] = []
-        async with asyncio.timeout(120):  # NIXL's handshake with nobody times out well within it
-            while not chunks or chunks[-1].finish_reason is None:
-                batches = await consumer.getmany(tp, timeout_ms=1000)
-                chunks += [c for rec in batches.get(tp, []) for c in chunks_of(reply_decoder.decode(rec.value))]
+        req = client.request(prompt, 8, sampling=SamplingParams(temperature=0.0), kv_from=kv_from)
+        await client.send(worker_id, req)
+        # NIXL's handshake with nobody times out well within the wait.
+        chunks = (await client.until_finished({req.request_id}, wait_s=120))[req.request_id]
     finally:
-        await consumer.stop()
-        await producer.stop()
+        await client.stop()
     return "".join(c.text for c in chunks), chunks[-1].finish_reason
 
 
