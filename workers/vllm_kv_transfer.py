@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from schemas.kafka import GenerateRequest
+from workers.ports import free_port
 
 log = logging.getLogger("ferry.worker")
 
@@ -71,7 +71,7 @@ def kv_transfer_args(request: GenerateRequest, connector: str) -> dict[str, Any]
 def side_channel_port(connector: str) -> None:
     """Give a NIXL engine a side-channel port of its own, unless the operator chose one."""
     if connector in NIXL_CONNECTORS and NIXL_PORT_ENV not in os.environ:
-        # Free on every interface, whichever the operator's VLLM_NIXL_SIDE_CHANNEL_HOST names.
-        with socket.socket() as s:
-            s.bind(("", 0))
-            os.environ[NIXL_PORT_ENV] = str(s.getsockname()[1])
+        # Free on every interface, whichever the operator's VLLM_NIXL_SIDE_CHANNEL_HOST names, and outside the
+        # ephemeral range: the engine binds it only once it has loaded, and the worker's own connections to
+        # Kafka and Redis open meanwhile (a bind(0) port was once taken by one of them).
+        os.environ[NIXL_PORT_ENV] = str(free_port(""))
