@@ -59,6 +59,7 @@ class Autoscaled:
     loops: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
     results: list[str | None] = dataclasses.field(default_factory=list)
     code: int | None = None  # its exit code, once stopped
+    errors: list[str] = dataclasses.field(default_factory=list)  # its ERROR lines: why a request failed
 
 
 @contextlib.asynccontextmanager
@@ -75,6 +76,7 @@ async def autoscaled(flags: list[str], model_path: Path) -> AsyncIterator[Autosc
     try:
         url = (await child.wait_for_line(lambda line: line.startswith("ferry-ready "), 120)).split()[1]
         run = Autoscaled(url, Lines(child), list(child.tail))
+        run.errors = run.lines.of(" ERROR ")
         yield run
     finally:
         if run is not None:
@@ -113,7 +115,7 @@ async def test_autoscale_scales_out_under_load_and_drains_back_without_a_failed_
         assert all("code 0" in line for line in drains), drains
         assert not crashes, crashes
     failures = [r for r in run.results if r is not None]
-    assert len(run.results) > 50 and not failures, failures[:5]
+    assert len(run.results) > 50 and not failures, (failures[:5], run.errors[:5])
     assert run.code == 0
 
 
@@ -153,5 +155,5 @@ async def test_autoscale_sizes_the_decode_pool_apart_from_the_prefill_pool(model
             await until(both_planners, 30)
         assert not request_lines, request_lines[:3]
     failures = [r for r in run.results if r is not None]
-    assert len(run.results) >= 16 and not failures, failures[:5]
+    assert len(run.results) >= 16 and not failures, (failures[:5], run.errors[:5])
     assert run.code == 0
