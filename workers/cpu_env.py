@@ -13,7 +13,7 @@ CPU_ENGINE_ENV = {
     # OpenMP threads that reach the end of a parallel region sleep at once instead of spinning ~3 ms for the
     # next one (libgomp's default). A worker shares its cores with its own Python and often with a broker and a
     # frontend: spinning threads take their CPU, and a thread preempted by them holds its peers at every
-    # barrier of every layer (docs/benchmarks.md, "vLLM engine environment").
+    # barrier of every layer (docs/benchmarks.md, "The engine's environment").
     "OMP_WAIT_POLICY": "PASSIVE",
 }
 
