@@ -74,6 +74,12 @@ Start = Tail | At | Own | Subscribe
 # first token waits on them, and the embedded broker answers a parked fetch only near its end (broker quirk
 # "late wake-up"), so an idle reader costs it one fetch per wait: two a second instead of ten at 100 ms.
 BATCH_FETCH_WAIT_MS = 500
+# How long an idle batch reader with a doorbell sleeps between polls when no writer rings (its writers ring once
+# their records are in: kvstore/bells.py); a batch item or result waits at most this long for an unheard ring.
+BATCH_SLEEP_MS = 5000
+# How long such a reader's last poll before a sleep lasts: longer than a fetch, so that the sleep follows a fetch
+# the broker answered empty, not one still on its way with records written before the last ring was cleared.
+BATCH_LINGER_MS = BATCH_FETCH_WAIT_MS + 100
 
 
 @dataclass(frozen=True)
@@ -174,3 +180,8 @@ class Hooks(Generic[T]):
     may_sleep: Callable[[], bool] | None = None
     # (a Reader with a doorbell) Just before it sleeps: tell whoever rings it where it stopped reading.
     before_sleep: Callable[[], Awaitable[None]] | None = None
+
+
+def batch_options(fetch_wait_ms: int, **options: Any) -> Options:
+    """Options of a reader of batch work: a fetch wait of BATCH_FETCH_WAIT_MS at least, the linger of its sleeps."""
+    return Options(fetch_wait_ms=max(fetch_wait_ms, BATCH_FETCH_WAIT_MS), linger_ms=BATCH_LINGER_MS, **options)

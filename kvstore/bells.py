@@ -4,7 +4,10 @@ A worker's inbox sleeps while idle (bus/doorbell.py); whoever writes to its requ
 channel `<prefix>bell:<worker_id>` once the broker has acknowledged the record. A frontend's replies reader
 sleeps between a stream's tokens and is rung on `<prefix>rbell:<frontend_id>` by the workers it announced
 its sleep to (workers/reply_bells.py). A frontend's KV log reader sleeps once caught up and is rung on
-`<prefix>kvbell:<model>` by the worker whose record is in (workers/kv_log.py). Rings are best effort: one
+`<prefix>kvbell:<model>` by the worker whose record is in (workers/kv_log.py). Batch readers sleep while the
+pool is empty: workers' pool consumers are rung on `<prefix>poolbell:<model>` by the frontend that wrote items
+(server/batch), frontends' results readers on `<prefix>resbell:<model>` by the worker whose result is in
+(`Coalesced`: a batch's records ring once per window, not once each). Rings are best effort: one
 that Redis does not take is logged once and costs the sleeping reader at most its fallback poll.
 """
 
@@ -80,6 +83,45 @@ class Bells:
         task = asyncio.get_running_loop().create_task(self.publish(channel, message))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
+
+
+class Coalesced:
+    """Rings one channel at most once per `window_s`, and once more at the window's end if asked meanwhile.
+
+    For writers of many records (batch items, their results): a reader woken by the first ring reads what
+    follows it anyway, and the trailing ring covers a reader that went back to sleep within the window.
+    """
+
+    def __init__(self, publish: Callable[[str], None], channel: str, window_s: float = 0.05) -> None:
+        self._publish = publish
+        self._channel = channel
+        self._window_s = window_s
+        self._last = -window_s
+        self._trailing: asyncio.TimerHandle | None = None
+        self.rung = 0  # rings published
+
+    def ring(self) -> None:
+        """Ring now, or at the end of the current window."""
+        if self._trailing is not None:
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._last + self._window_s - loop.time()
+        if wait <= 0:
+            self._now()
+        else:
+            self._trailing = loop.call_later(wait, self._now)
+
+    def _now(self) -> None:
+        self._trailing = None
+        self._last = asyncio.get_running_loop().time()
+        self.rung += 1
+        self._publish(self._channel)
+
+    def cancel(self) -> None:
+        """Drop a ring still waiting for its window (the writer is stopping)."""
+        if self._trailing is not None:
+            self._trailing.cancel()
+            self._trailing = None
 
 
 class BellSubscription:

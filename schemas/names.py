@@ -137,6 +137,14 @@ class RedisKeys:
         """Pub/sub channel that rings frontends' KV log readers of one model (workers/kv_log.py)."""
         return f"{self.prefix}kvbell:{model}"
 
+    def pool_bell(self, model: str) -> str:
+        """Pub/sub channel that rings workers' pool consumers of one model: batch items are in (server/batch)."""
+        return f"{self.prefix}poolbell:{model}"
+
+    def results_bell(self, model: str) -> str:
+        """Pub/sub channel that rings frontends' batch results readers of one model (workers/reply_bells.py)."""
+        return f"{self.prefix}resbell:{model}"
+
     def replies_asleep(self) -> str:
         """Pub/sub channel every worker hears: a frontend's replies reader went to sleep (schemas/bells.py)."""
         return f"{self.prefix}asleep"

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from starlette.applications import Starlette
 
 from launch.frontend import ReadyServer
 from launch.services import Child, free_port
@@ -68,6 +69,7 @@ class Harness:
         self.workers: list[RunningWorker] = []
         self._servers: list[tuple[ReadyServer, asyncio.Task[None]]] = []
         self.frontends: list[Frontend] = []
+        self.apps: list[Starlette] = []  # each frontend's ASGI app (its `state`: the batch service)
 
     async def add_worker(self, **overrides: Any) -> RunningWorker:
         """Start one sim worker and wait until it is registered.
@@ -117,6 +119,7 @@ class Harness:
         self._servers.append((server, task))
         fe: Frontend = app.state.frontend
         self.frontends.append(fe)
+        self.apps.append(app)
         return fe, f"http://127.0.0.1:{port}"
 
     async def close(self) -> None:

@@ -27,12 +27,14 @@ from typing import Any, Protocol
 import msgspec
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
+from bus.doorbell import Doorbell
 from bus.epochs import metadata_age_ms
-from bus.read_spec import BATCH_FETCH_WAIT_MS, Batch, Hooks, Options, Poll, Subscribe
+from bus.read_spec import BATCH_SLEEP_MS, Batch, Hooks, Poll, Subscribe, batch_options
 from bus.reader import Reader
 from kvstore.batch_store import BatchStore
+from kvstore.bells import BellSubscription
 from schemas.kafka import (
     ENGINE_DEATHS_LIMIT,
     REPEATED_ENGINE_DEATH,
@@ -43,9 +45,10 @@ from schemas.kafka import (
     joined_chunk,
     pool_decoder,
 )
-from schemas.names import pool_group, pool_pattern, pool_topic
+from schemas.names import RedisKeys, pool_group, pool_pattern, pool_topic
 from schemas.settings import WorkerSettings
 from workers.engine import Engine
+from workers.pool_metrics import PoolMetrics
 
 log = logging.getLogger("ferry.worker.pool")
 
@@ -141,25 +144,6 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         self.owner._on_assigned(assigned)
 
 
-class PoolMetrics:
-    """Batch-work metrics, in the worker's registry."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.items = Counter(
-            "ferry_worker_pool_items",
-            "Batch items taken from the pool by outcome",
-            ["outcome"],
-            registry=registry,
-        )
-        self.inflight = Gauge("ferry_worker_pool_inflight", "Batch sequences running", registry=registry)
-        self.paused = Gauge(
-            "ferry_worker_pool_paused", "1 while the pool is paused for lack of room", registry=registry
-        )
-        self.commits = Counter(
-            "ferry_worker_pool_commits", "Offset commits of pool partitions", registry=registry
-        )
-
-
 class PoolConsumer:
     """One worker's membership in its model's pool consumer group."""
 
@@ -172,14 +156,21 @@ class PoolConsumer:
         self.metrics = PoolMetrics(registry)
         self.topic = pool_topic(settings.served_model_name)
         session_ms = int(settings.pool_session_timeout_s * 1000)
+        # An empty pool is read when a frontend rings that it wrote items (server/batch) or every BATCH_SLEEP_MS,
+        # not twice a second by every worker (docs/benchmarks.md, "A quiet fleet").
+        self.doorbell = Doorbell() if settings.doorbell else None
+        channel = RedisKeys(settings.redis_prefix).pool_bell(settings.served_model_name)
+        self.bell_subscription = (
+            None if self.doorbell is None else BellSubscription(settings.redis, channel, "pool", self.doorbell)
+        )
         self._reader = Reader(
             "pool",
             settings.kafka,
             pool_decoder,
-            Options(
-                # Batch items wait for spare capacity anyway, so a late answer to a parked fetch costs them
-                # nothing worth the CPU of polling an idle pool every few ms (bench.overhead --peer).
-                fetch_wait_ms=max(settings.kafka_fetch_wait_ms, BATCH_FETCH_WAIT_MS),
+            # Batch items wait for spare capacity anyway, so a late answer to a parked fetch costs them nothing
+            # worth the CPU of polling an idle pool every few ms (bench.overhead --peer).
+            batch_options(
+                settings.kafka_fetch_wait_ms,
                 group_id=pool_group(settings.served_model_name),
                 client_id=f"ferry-pool-{settings.worker_id}",
                 offset_reset="earliest",
@@ -199,6 +190,7 @@ class PoolConsumer:
                 after_poll=self._wait_for_room,
                 error=self._fetch_failed,
             ),
+            doorbell=self.doorbell,
         )
         self._room_now = 0
         self._loops: list[asyncio.Task[None]] = []
@@ -233,6 +225,8 @@ class PoolConsumer:
         """
         pattern = pool_pattern(self.settings.served_model_name) if self.settings.pool_roll_s > 0 else None
         await self._reader.open(Subscribe((self.topic,), _Rebalance(self), pattern))
+        if self.bell_subscription is not None:
+            self.bell_subscription.start()
 
     def run(self) -> None:
         """Fetch items while there is room, until `stop_taking`; commits go on in the background."""
@@ -268,13 +262,17 @@ class PoolConsumer:
                 log.warning("could not count the engine death against %d batch item(s): %r", len(self._dead_starts), exc)
         with contextlib.suppress(Exception):
             await self._reader.stop()
+        if self.bell_subscription is not None:
+            await self.bell_subscription.stop()
 
     # ---- the reader's hooks ----------------------------------------------------------------------
 
     async def _make_room(self) -> Poll:
         room = self._room_now = self._room_for()
         self._set_paused(self._reader.consumer, room <= 0)
-        return Poll(timeout_ms=200 if room > 0 else 0, max_records=max(1, room))
+        # With room and a bell that can ring, the next sleep lasts BATCH_SLEEP_MS (bus/reader.py).
+        asleep = self.doorbell is not None and self.doorbell.armed
+        return Poll(timeout_ms=0 if room <= 0 else BATCH_SLEEP_MS if asleep else 200, max_records=max(1, room))
 
     async def _handle(self, batch: Batch[PoolItem]) -> None:
         track = self._tracks.get(batch.tp)
@@ -498,3 +496,5 @@ class PoolConsumer:
             sorted(f"{tp.topic}[{tp.partition}]" for tp in assigned),
         )
         self.joined.set()
+        if self.doorbell is not None:
+            self.doorbell.ring()  # items may wait there (a member that left): no writer rings for them

@@ -9,6 +9,9 @@ enough: the woken reader reads everything, and it announces its next sleep afres
 
 Per acknowledged record this costs two dict lookups; a ring is one Redis PUBLISH, and under steady load the
 reader never sleeps, so nothing is rung.
+
+Batch results readers sleep while the pool is idle too, one channel per model for every frontend's: a result in
+a results topic rings it (`Coalesced`: at most once per window, so a batch's results do not ring each).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import TypeVar
 
 import msgspec
 
+from kvstore.bells import Coalesced
 from schemas.bells import asleep_decoder
 
 log = logging.getLogger("ferry.worker")
@@ -32,8 +36,10 @@ V = TypeVar("V")
 class ReplyBells:
     """The worker's side of sleeping replies readers: `acked` for every record the broker took, `heard` for notices."""
 
-    def __init__(self, ring: Callable[[str], None]) -> None:
+    def __init__(self, ring: Callable[[str], None], results: tuple[str, Coalesced] | None = None) -> None:
         self._ring = ring
+        # The model's batch results topics (their common prefix), and the ring of the readers of them.
+        self._results = results
         self._acked: dict[str, int] = {}  # replies topic -> the highest offset of this worker's records there
         # Replies topic -> (channel to ring, the position its sleeping reader announced).
         self._asleep: dict[str, tuple[str, int]] = {}
@@ -43,6 +49,8 @@ class ReplyBells:
         """The broker acknowledged this worker's record at `offset` of `topic`."""
         if self._acked.get(topic, -1) < offset:
             _remember(self._acked, topic, offset)
+        if self._results is not None and topic.startswith(self._results[0]):
+            self._results[1].ring()
         if self._asleep:
             asleep = self._asleep.get(topic)
             if asleep is not None and offset >= asleep[1]:

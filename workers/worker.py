@@ -16,7 +16,7 @@ from bus.epochs import EpochTopics
 from bus.produce import TrackingProducer, refresh_metadata
 from bus.topics import RequestTopics, ensure_topics, retention
 from kvstore.batch_store import BatchStore
-from kvstore.bells import Bells
+from kvstore.bells import Bells, Coalesced
 from kvstore.connect import redis_client
 from kvstore.kv_index import KVIndex
 from kvstore.registry import Registry
@@ -69,7 +69,8 @@ class Worker:
         self.reply_bells: ReplyBells | None = None
         notices: dict[str, Callable[[bytes], None]] = {}
         if bells is not None:
-            self.reply_bells = ReplyBells(bells.publish_soon)
+            results_ring = Coalesced(bells.publish_soon, keys.results_bell(s.served_model_name))
+            self.reply_bells = ReplyBells(bells.publish_soon, (batch_results_topic(s.served_model_name), results_ring))
             self._outbox.on_acked = self.reply_bells.acked
             notices[keys.replies_asleep()] = self.reply_bells.heard
         self.serving = Serving(

@@ -69,6 +69,7 @@ class BatchCoordinator:
         self.topics = topics
         self.store = store
         self.model = settings.served_model_name
+        self.on_items: Callable[[], None] | None = None  # items are in the pool: ring its sleeping readers
         self.files: FileStore = LocalFileStore(
             Path(settings.batch_dir) if settings.batch_dir else default_home() / "files"
         )
@@ -316,6 +317,8 @@ class BatchCoordinator:
                     )
                 )
             await asyncio.gather(*futures)
+            if futures and self.on_items is not None:
+                self.on_items()
             position = min(len(order), position + _PRODUCE_CHUNK)
             await self.store.set_fields(batch_id, {"submitted": position})
         # Items refused at validation count as submitted: they have their lines already.

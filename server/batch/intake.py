@@ -54,6 +54,7 @@ class KafkaIntake:
     ) -> None:
         self.bootstrap = bootstrap
         self.topics = topics
+        self.on_items: Callable[[], None] | None = None  # an item is in the pool: ring its sleeping readers
         self.model = model
         self.topic = batch_submit_topic(model)
         self.store = store
@@ -121,4 +122,6 @@ class KafkaIntake:
         parts = await self.producer.partitions_for(topic)
         partition_out = partition_for(prepared.first_prompt, len(parts), self.model, block_size)
         await self.producer.send_and_wait(topic, prepared.message, key=item.encode(), partition=partition_out)
+        if self.on_items is not None:
+            self.on_items()
         self.items_taken += 1

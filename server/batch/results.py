@@ -20,8 +20,9 @@ from collections.abc import Awaitable, Callable
 from aiokafka import AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
+from bus.doorbell import Doorbell
 from bus.epochs import metadata_age_ms
-from bus.read_spec import Batch, Hooks, Options, Poll, Subscribe
+from bus.read_spec import BATCH_SLEEP_MS, Batch, Hooks, Poll, Subscribe, batch_options
 from bus.reader import Reader
 from kvstore.batch_store import BatchStore
 from schemas.batch import ItemMeta
@@ -42,9 +43,10 @@ _STALE_S = 60.0
 
 
 class _Joined(ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(self, event: asyncio.Event, on_revoked: Callable[[], None]) -> None:
+    def __init__(self, event: asyncio.Event, on_revoked: Callable[[], None], bell: Doorbell | None) -> None:
         self.event = event
         self.on_revoked = on_revoked
+        self.bell = bell
 
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
         if revoked:
@@ -52,6 +54,8 @@ class _Joined(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         self.event.set()
+        if self.bell is not None:
+            self.bell.ring()  # results may wait there (a frontend that left): no worker rings for them
 
 
 class ResultCollector:
@@ -68,6 +72,7 @@ class ResultCollector:
         on_complete: Callable[[str], None],
         on_usage: Callable[[UsageRecord], Awaitable[None]] | None = None,
         roll_s: float = 0.0,
+        doorbell: Doorbell | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.topic = batch_results_topic(model)
@@ -86,13 +91,16 @@ class ResultCollector:
         self._metas: dict[str, ItemMeta] = {}
         self._foreign: OrderedDict[str, None] = OrderedDict()
         self._next: dict[TopicPartition, int] = {}
+        self._committed: dict[TopicPartition, int] = {}  # the points of the last commit
+        # Rung by the worker whose result is in (workers/reply_bells.py): an idle reader polls every BATCH_SLEEP_MS.
+        self.doorbell = doorbell
         self._last_commit = self._last_gc = time.monotonic()
         self._reader = Reader(
             "batch results",
             bootstrap,
             reply_decoder,
-            Options(
-                fetch_wait_ms=fetch_wait_ms,
+            batch_options(
+                fetch_wait_ms,
                 poll=Poll(200, 2048),
                 group_id=self.group,
                 offset_reset="earliest",
@@ -104,22 +112,34 @@ class ResultCollector:
                 range_assignor=roll_s > 0,
                 metadata_max_age_ms=metadata_age_ms(roll_s),
             ),
-            Hooks(self._handle, after_poll=self._tend, error=self._retry, closing=self._last_commit_quietly),
-        )
+            Hooks(self._handle, after_poll=self._tend, error=self._retry, closing=self._last_commit_quietly,
+                  before_poll=self._poll, before_sleep=self._commit),
+            doorbell=doorbell,
+        )  # fmt: skip
         self.lines_recorded = 0
         self.joined = asyncio.Event()  # set once the group gave this frontend its share of the topic
+
+    @property
+    def reader(self) -> Reader[ReplyMessage]:
+        """The results topic's reader."""
+        return self._reader
 
     async def start(self) -> None:
         """Join the group and start reading."""
         self._last_commit = self._last_gc = time.monotonic()
         await self._reader.start(
-            Subscribe((self.topic,), _Joined(self.joined, self._forget_open), self._pattern)
+            Subscribe((self.topic,), _Joined(self.joined, self._forget_open, self.doorbell), self._pattern)
         )
 
     async def stop(self) -> None:
         """Commit what is safe and leave the group (another frontend takes over at once)."""
         with contextlib.suppress(Exception):
             await self._reader.stop()
+
+    async def _poll(self) -> Poll | None:
+        """A long poll (the sleep that follows an empty one) while a ring can wake the reader."""
+        bell = self.doorbell
+        return Poll(BATCH_SLEEP_MS, 2048) if bell is not None and bell.armed else None
 
     async def _tend(self, got_records: bool) -> None:
         """After each poll: commit what is safe twice a second, forget stale items every 10 s."""
@@ -236,6 +256,7 @@ class ResultCollector:
         self._holds.clear()
         self._metas.clear()
         self._next.clear()
+        self._committed = {}
 
     async def _commit(self) -> None:
         if not self._next:
@@ -248,8 +269,11 @@ class ResultCollector:
             # Workers write to partition 0 of each results topic; open items hold back their partitions.
             points[tp] = min((h[tp] for h in self._holds.values() if tp in h), default=nxt)
             points[tp] = min(points[tp], nxt)
+        if points == self._committed:
+            return
         try:
             await self._reader.commit(points)
+            self._committed = points
         except (KafkaError, TimeoutError) as exc:
             log.info("batch results commit failed: %r", exc)
 

@@ -7,10 +7,12 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from bus.doorbell import Doorbell
 from bus.produce import TrackingProducer
 from bus.read_spec import BATCH_FETCH_WAIT_MS
 from bus.topics import ensure_topics, retention
 from kvstore.batch_store import BatchStore
+from kvstore.bells import Bells, BellSubscription, Coalesced
 from kvstore.connect import redis_client
 from schemas.names import RedisKeys, batch_results_topic, batch_submit_topic, pool_topic
 from schemas.settings import FrontendSettings
@@ -69,6 +71,13 @@ class BatchService:
         producer = TrackingProducer(bootstrap_servers=s.kafka, linger_ms=5, request_timeout_ms=10_000)
         topics = self.topics = BatchTopics(s, self.redis)
         coordinator = self.coordinator = BatchCoordinator(s, self.store, pre, live, topics)
+        # Workers' pool consumers and the frontends' results readers sleep while the pool is idle, rung by
+        # whoever wrote their records (kvstore/bells.py); without doorbells they poll as before.
+        keys = RedisKeys(s.redis_prefix)
+        pool_ring = Coalesced(Bells(self.redis, keys).publish_soon, keys.pool_bell(model)) if s.doorbell else None
+        results_bell = Doorbell() if s.doorbell else None
+        if pool_ring is not None:
+            coordinator.on_items = pool_ring.ring
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(self.redis.aclose)
             # Registered before start: a start that fails (broker down) must still close the client.
@@ -92,13 +101,21 @@ class BatchService:
                 lambda _b: coordinator.kick(),
                 on_usage,
                 s.pool_roll_s,
+                results_bell,
             )
+            if results_bell is not None:
+                subscription = BellSubscription(s.redis, keys.results_bell(model), "batch results", results_bell)
+                subscription.start()
+                stack.push_async_callback(subscription.stop)
+            if pool_ring is not None:
+                stack.callback(pool_ring.cancel)
             await self.collector.start()
             stack.push_async_callback(self.collector.stop)
             if s.batch_kafka_intake:
                 self.intake = KafkaIntake(
                     s.kafka, model, self.store, coordinator.preparer, producer, live, fetch_wait_ms, topics
                 )
+                self.intake.on_items = None if pool_ring is None else pool_ring.ring
                 await self.intake.start()
                 stack.push_async_callback(self.intake.stop)
             yield
