@@ -122,10 +122,12 @@ async def test_autoscale_scales_out_under_load_and_drains_back_without_a_failed_
 async def test_autoscale_sizes_the_decode_pool_apart_from_the_prefill_pool(model_path: Path) -> None:
     # Many concurrent streams load the decode pool (each holds its sequence for 60 tokens), while the prefill
     # pool holds each only for its short prompt and meets its TTFT target: one pool grows, the other does not.
+    # A worker's capacity of 6: the 16 streams' decodes pass it at once, their prefills (a few at a time, more on
+    # a loaded machine: at 4 the prefill pool's forecast crossed it now and then) do not.
     flags = [
         "--workers", "0", "--prefill-workers", "1", "--decode-workers", "1", "--min-workers", "1",
         "--max-workers", "2", "--scale-out-cooldown-s", "2", "--scale-in-cooldown-s", "4", "--scale-in-stable", "2",
-        "--worker-capacity", "4", "--worker-start-s", "2", "--ttft-p90-target-s", "2", "--itl-p90-target-s", "0.2",
+        "--worker-capacity", "6", "--worker-start-s", "2", "--ttft-p90-target-s", "2", "--itl-p90-target-s", "0.2",
         "--speedup", "5", "--monitor",
     ]  # fmt: skip
     async with autoscaled(flags, model_path) as run:
