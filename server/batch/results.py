@@ -40,6 +40,8 @@ log = logging.getLogger("ferry.batch")
 _FOREIGN_MEMORY = 10_000
 # Open items of batches that ended are dropped after this long without news.
 _STALE_S = 60.0
+# Most records one poll hands on (the consumer's fetches, its polls and the long poll before a sleep alike).
+_MAX_RECORDS = 2048
 
 
 class _Joined(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -101,10 +103,10 @@ class ResultCollector:
             reply_decoder,
             batch_options(
                 fetch_wait_ms,
-                poll=Poll(200, 2048),
+                poll=Poll(200, _MAX_RECORDS),
                 group_id=self.group,
                 offset_reset="earliest",
-                max_poll_records=2048,
+                max_poll_records=_MAX_RECORDS,
                 # With --pool-roll-s each epoch is a topic of one partition; the range assignor gives
                 # partition 0 of every topic to the same member, so one frontend sees every chunk of an item
                 # even when its sequences ended in different epochs (round-robin would split them). Without
@@ -139,7 +141,7 @@ class ResultCollector:
     async def _poll(self) -> Poll | None:
         """A long poll (the sleep that follows an empty one) while a ring can wake the reader."""
         bell = self.doorbell
-        return Poll(BATCH_SLEEP_MS, 2048) if bell is not None and bell.armed else None
+        return Poll(BATCH_SLEEP_MS, _MAX_RECORDS) if bell is not None and bell.armed else None
 
     async def _tend(self, got_records: bool) -> None:
         """After each poll: commit what is safe twice a second, forget stale items every 10 s."""
