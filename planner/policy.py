@@ -18,6 +18,10 @@ import math
 
 from schemas.ops_settings import PlannerPolicySettings
 
+# Intervals in a row a queue beyond the headroom must be seen before it adds a worker: a burst's arrivals queue for
+# an interval and clear by themselves (a prefill pool's, above all), while capacity that is short keeps them there.
+QUEUE_INTERVALS = 2
+
 
 class Action(enum.StrEnum):
     """What a decision does to the worker count."""
@@ -35,7 +39,7 @@ class Reason(enum.StrEnum):
     LOAD = "load_forecast"  # predicted interactive load needs more workers
     SLO_TTFT = "slo_ttft"  # TTFT p90 over target with work waiting
     SLO_ITL = "slo_itl"  # ITL p90 over target
-    QUEUE = "queue"  # requests waiting on the engines or unread in worker topics beyond capacity
+    QUEUE = "queue"  # requests waiting on the engines or unread in worker topics beyond capacity, two intervals running
     KV_PRESSURE = "kv_pressure"
     BATCH = "batch_backlog"
     AT_MAX = "at_max"  # more were needed but max_workers holds
@@ -112,6 +116,7 @@ class Policy:
         self._last_out = -math.inf
         self._last_in = -math.inf
         self._calm = 0  # intervals in a row that fewer workers would have done
+        self._queued = 0  # intervals in a row with a queue beyond the headroom
 
     # ---- estimates ------------------------------------------------------------------------------
 
@@ -194,13 +199,15 @@ class Policy:
         )
         # Latency over target with work queued says capacity is short whatever the estimate says.
         queued = obs.waiting + obs.worker_lag
+        beyond = obs.ready and queued > obs.ready * self.capacity * (1 - c.target_utilisation)
+        self._queued = self._queued + 1 if beyond else 0
         if obs.ttft_p90_s is not None and obs.ttft_p90_s > c.ttft_p90_target_s and queued > 0:
             need, reason = max(need, current + 1), Reason.SLO_TTFT
         elif obs.itl_p90_s is not None and obs.itl_p90_s > c.itl_p90_target_s and obs.running > 0:
             need, reason = max(need, current + 1), Reason.SLO_ITL
         elif obs.ready and obs.kv_usage >= c.kv_usage_high:
             need, reason = max(need, current + 1), Reason.KV_PRESSURE
-        elif obs.ready and queued > obs.ready * self.capacity * (1 - c.target_utilisation):
+        elif self._queued >= QUEUE_INTERVALS:
             need, reason = max(need, current + 1), Reason.QUEUE
         # Batch backlog gets workers of its own budget above the interactive need, never the other way.
         batch = min(self._batch_workers(obs), need + c.batch_max_workers)

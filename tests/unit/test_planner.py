@@ -63,6 +63,20 @@ def test_slo_violation_with_a_queue_adds_a_worker_even_if_the_estimate_says_enou
     assert p.capacity < CFG.worker_capacity  # and the capacity estimate learnt from it
 
 
+def test_a_queue_beyond_the_headroom_adds_a_worker_once_it_stood_for_two_intervals() -> None:
+    # Two workers of capacity 8 at 70 % leave a headroom of 4.8 queued requests; the targets are met, and the
+    # forecast (10 in the system) needs no third worker.
+    queue, calm = obs(2, 4, 2.0, waiting=6), obs(2, 4, 2.0)
+    p = Policy(CFG)
+    # A burst's queue that is gone by the next interval adds nothing ...
+    for t, o in enumerate([queue, calm, queue, calm]):
+        assert p.decide(o, now=5 * t).action is Action.HOLD
+    # ... one that stays does.
+    assert p.decide(queue, now=20).action is Action.HOLD
+    d = p.decide(queue, now=25)
+    assert (d.action, d.reason, d.desired) == (Action.SCALE_OUT, Reason.QUEUE, 3)
+
+
 def test_a_capacity_learnt_in_an_overload_recovers_when_the_targets_are_met_comfortably() -> None:
     p = Policy(CFG)
     for i in range(6):
