@@ -4,7 +4,10 @@ The embedded broker answers a parked fetch only at the end of its wait (docs/arc
 "late wake-up"), so a prompt reader fetches every few milliseconds, and an idle fleet of such readers keeps
 a core busy between the broker and themselves. With a doorbell a reader that has nothing to read sleeps
 instead (`Reader`, `Hooks.may_sleep`): a writer rings once the broker has acknowledged its record, so the
-fetch the woken reader sends at once finds it. A frontend rings its own replies reader when it opens a
+fetch the woken reader sends at once finds it. A frontend rings a worker's inbox for a request sooner, once the
+record is in its producer's batch: the ring crosses Redis while the record crosses the broker, the woken inbox
+polls `Options.linger_ms` before it sleeps again, and an acknowledgement that came later than half that rings
+it once more (server/dispatcher.py). A frontend rings its own replies reader when it opens a
 stream; rings between processes travel over Redis pub/sub (kvstore/bells.py: a worker's requests, written
 by frontends and prefill workers). Between an open stream's records the replies reader sleeps too, having
 told the workers where it stopped (`Hooks.before_sleep`): they ring it for a record past that offset

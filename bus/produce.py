@@ -15,16 +15,28 @@ from aiokafka.structs import RecordMetadata
 
 
 async def send_and_wait(
-    producer: AIOKafkaProducer, topic: str, value: bytes, key: bytes, partition: int = 0, attempts: int = 3
+    producer: AIOKafkaProducer,
+    topic: str,
+    value: bytes,
+    key: bytes,
+    partition: int = 0,
+    attempts: int = 3,
+    on_sent: Callable[[], None] | None = None,
 ) -> RecordMetadata:
-    """`producer.send_and_wait`, retrying the broker's UnknownError with fresh metadata.
+    """`producer.send_and_wait`, retrying the broker's UnknownError with fresh metadata; `on_sent` is called once
+    the record is in the producer's batch, before the broker has acknowledged it.
 
     aiokafka calls UnknownError final, and the embedded broker answers it once for a topic that changed
     under the producer's metadata (docs/architecture.md, broker quirk "stale producer metadata").
     """
     for attempt in range(attempts):
         try:
-            return await producer.send_and_wait(topic, value, key=key, partition=partition)
+            if on_sent is None:
+                return await producer.send_and_wait(topic, value, key=key, partition=partition)
+            delivery = await producer.send(topic, value, key=key, partition=partition)
+            if attempt == 0:
+                on_sent()
+            return await delivery
         except UnknownError:
             if attempt == attempts - 1:
                 raise

@@ -23,9 +23,10 @@ from schemas.names import RedisKeys, admin_topic, reply_topic
 from schemas.settings import FrontendSettings
 from schemas.status import FrontendStatus
 from server.delivery import RequestLog
+from server.dispatcher import Dispatcher
 from server.errors import APIError, model_not_found
 from server.generation import Services
-from server.kafka_io import Dispatcher, ReplyDemux
+from server.kafka_io import ReplyDemux
 from server.kv_indexer import KVIndexer
 from server.logprobs import LogprobFormatter
 from server.lora_admin import AckInbox, LoraAdmin

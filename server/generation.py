@@ -16,8 +16,9 @@ from kvstore.resume_store import ResumeStore
 from schemas.kafka import Chunk, ErrorInfo, GenerateRequest, KVFrom
 from server.delivery import RequestLog
 from server.disagg import Placement, place, serving
+from server.dispatcher import Dispatcher
 from server.errors import APIError
-from server.kafka_io import Dispatcher, ReplyDemux
+from server.kafka_io import ReplyDemux
 from server.losses import Migrations
 from server.metrics import FrontendMetrics, observe_times
 from server.migration import Mover

@@ -20,7 +20,8 @@ from aiokafka import AIOKafkaProducer
 from bus.produce import refresh_metadata
 from kvstore.kv_index import KVIndex
 from schemas.kafka import ENGINE_DEATHS_LIMIT, ErrorInfo
-from server.kafka_io import Dispatcher, ReplyDemux
+from server.dispatcher import Dispatcher
+from server.kafka_io import ReplyDemux
 from server.metrics import FrontendMetrics
 from server.router import Router
 from server.streams import Loss, Sequence

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from schemas.kafka import Chunk, GenerateRequest, KVFrom
 from server.delivery import RequestLog
-from server.kafka_io import Dispatcher
+from server.dispatcher import Dispatcher
 from server.metrics import FrontendMetrics
 from server.pool import WorkerPool
 from server.preprocess import Prepared
