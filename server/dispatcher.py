@@ -18,7 +18,7 @@ from bus.read_spec import Options
 from bus.topics import RequestTopics, ensure_topics
 from kvstore.bells import Bells
 from schemas.kafka import Cancel, Chunk, GenerateRequest, request_encoder
-from server.errors import APIError
+from server.errors import broker_unavailable
 from server.metrics import FrontendMetrics
 
 log = logging.getLogger("ferry.frontend")
@@ -140,12 +140,7 @@ class Dispatcher:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(1.0):
                         await self.cancel(worker_id, request.request_id)
-            raise APIError(
-                503,
-                "The message broker is unavailable; try again shortly.",
-                code="broker_unavailable",
-                retry_after=2,
-            ) from exc
+            raise broker_unavailable() from exc
         if not self._broker_ok:
             log.info("Kafka is taking requests again")
             self._broker_ok = True
@@ -174,12 +169,7 @@ class Dispatcher:
                 self.on_note()
         except (KafkaError, TimeoutError) as exc:
             self._metrics.kafka_errors.inc()
-            raise APIError(
-                503,
-                "The message broker is unavailable; try again shortly.",
-                code="broker_unavailable",
-                retry_after=2,
-            ) from exc
+            raise broker_unavailable() from exc
 
     async def cancel(self, worker_id: str, request_id: str, attempt: int = -1) -> None:
         """Ask a worker to abort a request (only its `attempt`, if given, running or parked); best effort (the

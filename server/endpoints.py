@@ -10,7 +10,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from schemas.streams import StreamRecord
-from server.errors import APIError
+from server.errors import APIError, broker_unavailable
 from server.frontend import Frontend
 from server.generation import Generation, new_id
 from server.http import admit_tenant, decode, json_response, read_body, route, until_disconnect, with_turn
@@ -128,8 +128,7 @@ async def _resume(kind: Kind, fe: Frontend, request: Request) -> Response:
             await replay.start()
     except Exception as exc:
         await replay.close()
-        raise APIError(503, "The message broker is unavailable; try again shortly.", code="broker_unavailable",
-                       retry_after=2) from exc  # fmt: skip
+        raise broker_unavailable() from exc
     events = stream(replay, kind.events(replay, fe.fmt, bool(record.echo_texts)), after, ids=True)
     return SSEResponse(events, {"x-request-id": rid, "x-ferry-resumable": "1"})  # type: ignore[return-value]
 

@@ -56,6 +56,11 @@ class APIError(Exception):
         )
 
 
+def broker_unavailable() -> APIError:
+    """The 503 a client gets while the broker does not take what the frontend writes (Retry-After: 2 s)."""
+    return APIError(503, "The message broker is unavailable; try again shortly.", code="broker_unavailable", retry_after=2)
+
+
 def from_validation_error(
     exc: msgspec.ValidationError | msgspec.DecodeError | UnicodeDecodeError,
 ) -> APIError:

@@ -28,7 +28,7 @@ from schemas.admin import (
 from schemas.kafka import LoadLora, LoraAck, UnloadLora, admin_reply_decoder, request_encoder
 from schemas.names import request_topic
 from schemas.status import WorkerStatus
-from server.errors import APIError
+from server.errors import APIError, broker_unavailable
 from server.pool import WorkerPool
 
 log = logging.getLogger("ferry.frontend")
@@ -236,12 +236,7 @@ class LoraAdmin:
                         )
                     )
             except (KafkaError, TimeoutError) as exc:
-                raise APIError(
-                    503,
-                    "The message broker is unavailable; try again shortly.",
-                    code="broker_unavailable",
-                    retry_after=2,
-                ) from exc
+                raise broker_unavailable() from exc
             if self._bells is not None:
                 for w in targets:
                     self._bells.ring_soon(w)
