@@ -50,7 +50,7 @@ class Dispatcher:
         bells: Bells | None = None,
     ) -> None:
         self._producer = producer
-        self._bells = bells  # rings a worker once its request or cancel is in its topic
+        self._bells = bells  # rings a worker: for a request once it is sent, for a cancel once it is in its topic
         self._timeout_s = timeout_s
         self._metrics = metrics
         self._broker_ok = True
