@@ -80,6 +80,11 @@ BATCH_SLEEP_MS = 5000
 # How long such a reader's last poll before a sleep lasts: longer than a fetch, so that the sleep follows a fetch
 # the broker answered empty, not one still on its way with records written before the last ring was cleared.
 BATCH_LINGER_MS = BATCH_FETCH_WAIT_MS + 100
+# How long aiokafka's background fetch routine waits for an event before it looks again (its
+# `consumer_timeout_ms`, 200 by default). Every event it acts on (a fetch answered, records consumed, a seek, a
+# partition resumed, a rebalance, a metadata update) wakes it at once, so the timeout only paces its wake-ups
+# while nothing happens: a sleeping reader's paused partitions cost five of them a second at aiokafka's default.
+FETCHER_IDLE_MS = 5000
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,7 @@ class Options:
             enable_auto_commit=False,
             auto_offset_reset=self.offset_reset,
             fetch_max_wait_ms=self.fetch_wait_ms,
+            consumer_timeout_ms=FETCHER_IDLE_MS,
             **extra,
         )
 

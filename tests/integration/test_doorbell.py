@@ -93,6 +93,31 @@ async def test_an_idle_reader_sleeps_until_a_writer_rings(kafka: str, redis_url:
         assert r.subscription.rings == 3
 
 
+async def test_a_sleeping_readers_fetch_routine_stays_parked(kafka: str, redis_url: str, prefix: str) -> None:
+    # aiokafka's fetch routine looks at its partitions on every event and, by default, every 200 ms besides:
+    # five wake-ups a second for each sleeping reader of an idle fleet. Ferry's consumers wait for events.
+    async with rung_reader(kafka, redis_url, prefix) as r, producing(kafka) as send:
+        tp = TopicPartition(r.topic, 0)
+        await asleep(r.reader, tp)
+        fetcher = r.reader.consumer._fetcher
+        looks = 0
+        look = fetcher._get_actions_per_node
+
+        def counted(assignment: object) -> object:
+            nonlocal looks
+            looks += 1
+            return look(assignment)
+
+        fetcher._get_actions_per_node = counted
+        await asyncio.sleep(1.5)  # a window in which nothing happens: what is measured is the routine idling
+        assert looks <= 1, looks
+        # An event still wakes it at once: the ring resumes the partition, and the record is read.
+        await send(r.topic, chunk(0))
+        await Bells(r.redis, r.keys).ring("w1")
+        await r.seen.until(1)
+        assert looks >= 2
+
+
 async def test_a_ring_for_another_reader_does_not_wake_this_one_and_finish_does(
     kafka: str, redis_url: str, prefix: str
 ) -> None:
