@@ -127,9 +127,21 @@ class LogResetWatch:
     def __init__(self, consumer: AIOKafkaConsumer, name: str) -> None:
         self._consumer = consumer
         self._name = name
+        self._checked_at = 0.0
+
+    def due(self, got_records: bool) -> bool:
+        """Whether to check after a poll: after every empty one, and every PROGRESS_CHECK_S while polls bring
+        records. A reader whose other partitions keep bringing records (the next request epoch, a newer replies
+        topic) still learns that the broker lost one partition's log, whose records would otherwise wait
+        unread behind its old position."""
+        now = time.monotonic()
+        if got_records and now - self._checked_at < PROGRESS_CHECK_S:
+            return False
+        self._checked_at = now
+        return True
 
     async def check(self) -> list[TopicPartition]:
-        """Call when a poll came back empty; returns the partitions it rewound."""
+        """Rewind the partitions whose position lies past their log's end; returns them."""
         rewound = []
         for tp, position, end in await positions_and_ends(self._consumer):
             if position > end:

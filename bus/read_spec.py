@@ -109,7 +109,8 @@ class Options:
     # without the brief poll first (bus/doorbell.py, `SparseRecords`): only for a reader whose writers ring it
     # for any record past where it stopped, however soon after the sleep began they wrote it.
     sleep_after_records: bool = False
-    # Check every idle poll for a log the broker lost, and read it again from the start (LogResetWatch).
+    # Check every empty poll, and polls with records every PROGRESS_CHECK_S, for a log the broker lost, and read
+    # it again from the start (LogResetWatch).
     watch_reset: bool = False
     # Commit the consumer's positions after every poll that brought records (the handler has them by then).
     commit_after_poll: bool = False

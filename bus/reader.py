@@ -1,7 +1,7 @@
 """The one consumer-loop owner: every Kafka reader is a `Reader` given a decoder, a handler and a failure hook.
 
 A Reader owns one AIOKafkaConsumer. It starts it and positions it (`Tail`, `At`, `Own`, `Subscribe`),
-runs the poll loop, stretches the fetch wait while it lags (`FetchWaitAdjuster`), checks idle polls for a
+runs the poll loop, stretches the fetch wait while it lags (`FetchWaitAdjuster`), checks its polls for a
 log the broker lost (`LogResetWatch`, when asked), decodes every record with the reader's typed decoder
 (undecodable ones are logged and dropped) and hands each partition's batch to the handler; it stops the
 consumer through `stop_consumer`. A loop that dies unexpectedly is logged and reported to the failure hook,
@@ -338,20 +338,26 @@ class Reader(Generic[T]):
         self._last_poll_ms = poll.timeout_ms
         fetched = await consumer.getmany(timeout_ms=timeout_ms, max_records=poll.max_records)
         await stretch.after_poll(bool(fetched))
-        if not fetched and watch is not None:
-            rewound = await watch.check()
-            self._forget(*rewound)
-            if rewound and hooks.reset is not None:
-                await hooks.reset(rewound)
         for tp, records in fetched.items():
             records = self._whole(consumer, tp, records)
             if records:
                 await hooks.handle(self._decode(tp, records))
-        if fetched and self._options.commit_after_poll:
-            # The positions: after a hole, the hole's start (`_whole` moved back there), so only what was
-            # handed on is committed.
+        if watch is not None and watch.due(bool(fetched)):
+            rewound = await watch.check()
+            if rewound:  # (`_forget()` of nothing named forgets every partition)
+                self._forget(*rewound)
+                if hooks.reset is not None:
+                    await hooks.reset(rewound)
+        # The positions of the partitions this poll moved: after a hole, the hole's start (`_whole` moved back
+        # there), so only what was handed on is committed. Not the others': a partition the broker no longer
+        # knows (an empty restart forgets every topic nobody wrote to since) fails its commit only after
+        # COMMIT_TIMEOUT_S of retries, and the reader reads nothing meanwhile.
+        moved = (
+            {tp: self._next[tp] for tp in fetched if tp in self._next} if self._options.commit_after_poll else {}
+        )
+        if moved:
             try:
-                await commit_within(consumer)
+                await commit_within(consumer, moved)
             except (KafkaError, TimeoutError) as exc:
                 log.warning("%s: offset commit failed: %r", self.name, exc)
         if hooks.after_poll is not None:

@@ -59,6 +59,22 @@ def busy_wait_cap_ms(role: str, busy_fetch_wait_ms: int) -> int:
     return 0 if role == "decode" else busy_fetch_wait_ms
 
 
+def read_through(
+    topics: list[str], ends: dict[str, tuple[int, int]], paused: set[TopicPartition]
+) -> list[str]:
+    """Those of `topics` (request topics behind the window) read to their end, by (position, end) of each one's
+    partition 0.
+
+    Everything in such a topic was read, and so committed: the reader commits after every poll that brought
+    records. One never fetched yet, or paused (its end is not fetched), is read first. A position past the end
+    is no read topic but a lost log written again from offset 0 (an empty broker restart): the reader's
+    LogResetWatch rewinds it, and it is read then.
+    """
+    return [
+        t for t in topics if t in ends and ends[t][0] == ends[t][1] and TopicPartition(t, 0) not in paused
+    ]
+
+
 class Inbox:
     """Reads the worker's own topics and hands each message to serving or LoRA control.
 
@@ -195,12 +211,7 @@ class Inbox:
         consumer = self.reader.consumer
         paused = consumer.paused()
         ends = {tp.topic: (position, end) for tp, position, end in await positions_and_ends(consumer)}
-        # A topic behind the window goes once everything in it was read (and so committed: the reader
-        # commits after every poll that brought records); one never fetched yet, or paused (its end is
-        # not fetched), is read first.
-        done = [
-            t for t in behind if t in ends and ends[t][0] >= ends[t][1] and TopicPartition(t, 0) not in paused
-        ]
+        done = read_through(behind, ends, paused)
         if not new and not done:
             return
         keep = [t for t in self._window if t not in done]
