@@ -31,10 +31,9 @@ async def send_and_wait(
     """
     for attempt in range(attempts):
         try:
-            if on_sent is None:
-                return await producer.send_and_wait(topic, value, key=key, partition=partition)
+            # What aiokafka's send_and_wait does, with the moment between its two awaits exposed.
             delivery = await producer.send(topic, value, key=key, partition=partition)
-            if attempt == 0:
+            if on_sent is not None and attempt == 0:
                 on_sent()
             return await delivery
         except UnknownError:

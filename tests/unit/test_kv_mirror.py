@@ -172,8 +172,11 @@ class _HeldProducer:
         self.gate = asyncio.Event()
         self.sending = asyncio.Event()
 
-    async def send_and_wait(self, topic: str, value: bytes, key: bytes, partition: int) -> None:
+    async def send(self, topic: str, value: bytes, key: bytes, partition: int) -> asyncio.Task[None]:
         self.sending.set()
+        return asyncio.create_task(self._delivered(value))
+
+    async def _delivered(self, value: bytes) -> None:
         await self.gate.wait()
         self.sent.append(msgspec.msgpack.decode(value, type=KVLogRecord))
 
