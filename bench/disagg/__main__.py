@@ -53,17 +53,28 @@ def long_prompt_workload(n: int, rate: float, prompt_tokens: int, output_tokens:
 
 
 def systems(
-    workers: int, ratios: list[tuple[int, int]], dynamo: bool, host_blocks: Sequence[int] = (0,)
+    workers: int,
+    ratios: list[tuple[int, int]],
+    dynamo: bool,
+    host_blocks: Sequence[int] = (0,),
+    decode_caps: Sequence[int] = (0,),
 ) -> list[tuple[str, int, list[str]]]:
-    """(name, aggregated workers, extra `ferry up` flags) of each system: the same total of workers, each Ferry
-    system once per host tier size (0: off). A Dynamo system's flags are its prefill and decode worker counts."""
+    """(name, aggregated workers, extra `ferry up` flags) of each system: the same total of workers, each
+    disaggregated system once per decode batch cap (0: none beyond --max-num-seqs) and each Ferry system once
+    per host tier size (0: off). A Dynamo system's flags are its prefill and decode worker counts, then its
+    decode mockers' own flags."""
     base: list[tuple[str, int, list[str]]] = [(f"aggregated {workers}", workers, [])]
     for p, d in ratios:
         if p + d != workers:
             raise SystemExit(f"ratio {p}:{d} does not add up to --workers {workers}")
-        base.append((f"disagg {p}:{d}", 0, ["--prefill-workers", str(p), "--decode-workers", str(d)]))
-        if dynamo:
-            base.append((f"dynamo disagg {p}:{d}", 0, [str(p), str(d)]))
+        for cap in decode_caps:
+            suffix = f", decode cap {cap}" if cap else ""
+            ferry = ["--prefill-workers", str(p), "--decode-workers", str(d)]
+            if cap:
+                ferry += ["--decode-flags", f"--max-num-seqs {cap}"]
+            base.append((f"disagg {p}:{d}{suffix}", 0, ferry))
+            if dynamo:
+                base.append((f"dynamo disagg {p}:{d}{suffix}", 0, [str(p), str(d), *decode_knobs(cap)]))
     out: list[tuple[str, int, list[str]]] = []
     for name, aggregated, flags in base:
         for h in host_blocks:
@@ -72,6 +83,11 @@ def systems(
             elif not name.startswith("dynamo"):
                 out.append((f"{name}, host {h}", aggregated, [*flags, "--num-host-blocks", str(h)]))
     return out
+
+
+def decode_knobs(cap: int) -> list[str]:
+    """Mocker flags for a decode pool's own batch cap (after the knobs both pools share: the last one wins)."""
+    return ["--max-num-seqs", str(cap)] if cap else []
 
 
 def ferry_flags(args: argparse.Namespace) -> list[str]:
@@ -89,13 +105,15 @@ def dynamo_knobs(args: argparse.Namespace, kv_bytes_per_token: int) -> list[str]
             str(kv_bytes_per_token)]  # fmt: skip
 
 
-async def start_dynamo(args: argparse.Namespace, prefill: int, decode: int) -> DynamoPD:
-    """Dynamo's disaggregated mockers with Ferry's sim knobs."""
+async def start_dynamo(
+    args: argparse.Namespace, prefill: int, decode: int, decode_only: list[str]
+) -> DynamoPD:
+    """Dynamo's disaggregated mockers with Ferry's sim knobs, and `decode_only` flags for the decode pool."""
     from workers.host_tier import kv_bytes_per_token
 
     knobs = dynamo_knobs(args, kv_bytes_per_token(args.model_path))
     return await DynamoPD.start(model_path=args.model_path, model_name=args.model_name, prefill=prefill,
-                                decode=decode, knobs=knobs)  # fmt: skip
+                                decode=decode, knobs=knobs, decode_knobs=decode_only)  # fmt: skip
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -181,6 +199,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         [(int(a), int(b)) for a, b in (r.split(":") for r in args.ratios.split(","))] if args.ratios else []
     )
     host_blocks = [int(h) for h in args.host_blocks.split(",")]
+    decode_caps = [int(c) for c in args.decode_max_num_seqs.split(",")]
     rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
     rows: dict[str, dict[str, Any]] = {}
     allowed: dict[str, dict[str, float]] = {}
@@ -190,7 +209,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # What the requests allow (the same for every system: only the token ids' salt differs).
         prompts = [it.prompt for it in make_workload(args, rate, "bounds").items]
         allowed[f"{rate:g}"] = bounds(prompts, args.workers, args.num_blocks, host_blocks, 64)
-        for name, aggregated, extra in systems(args.workers, ratios, args.dynamo, host_blocks):
+        for name, aggregated, extra in systems(args.workers, ratios, args.dynamo, host_blocks, decode_caps):
             if args.no_aggregated and not extra:
                 continue
             salt = f"disagg-{name}-{time.time()}"  # a fresh run: nothing cached from the previous system's
@@ -198,7 +217,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             flags = [*ferry_flags(args), *extra]
             stack: FerryStack | DynamoPD
             if name.startswith("dynamo"):
-                stack = await start_dynamo(args, int(extra[0]), int(extra[1]))
+                stack = await start_dynamo(args, int(extra[0]), int(extra[1]), extra[2:])
             else:
                 stack = await FerryStack.start(aggregated, args.speedup, flags)
             try:
@@ -258,6 +277,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--max-num-seqs", type=int, default=256,
         help="sequences per engine step, both systems (on a decode worker it bounds the step, so ITL)",
+    )  # fmt: skip
+    p.add_argument(
+        "--decode-max-num-seqs", default="0",
+        help="decode pools' own batch caps, comma-separated: every disaggregated system once per cap, both systems "
+        "(0: --max-num-seqs)",
     )  # fmt: skip
     p.add_argument("--host-blocks", default="0",
                    help="host tier sizes in blocks per worker, comma-separated: every Ferry system once per size (0: off)")  # fmt: skip

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,9 @@ class DynamoPD:
 
     @classmethod
     async def start(cls, *, model_path: str, model_name: str, prefill: int, decode: int, knobs: list[str],
-                    timeout_s: float = 120.0) -> DynamoPD:  # fmt: skip
-        """Start the frontend and both pools; `knobs` are mocker flags given to both."""
+                    decode_knobs: Sequence[str] = (), timeout_s: float = 120.0) -> DynamoPD:  # fmt: skip
+        """Start the frontend and both pools; `knobs` are mocker flags given to both, `decode_knobs` to the decode
+        pool after them."""
         py = str(venv_python(default_venv()))
         workdir = Path(tempfile.mkdtemp(prefix="ferry-dynamo-pd-"))
         env = loopback_env(workdir / "kv")
@@ -46,7 +48,7 @@ class DynamoPD:
             "dynamo-prefill": [py, "-m", "dynamo.mocker", *common, "--num-workers", str(prefill),
                                "--disaggregation-mode", "prefill", *knobs],
             "dynamo-decode": [py, "-m", "dynamo.mocker", *common, "--num-workers", str(decode),
-                              "--disaggregation-mode", "decode", *knobs],
+                              "--disaggregation-mode", "decode", *knobs, *decode_knobs],
         }  # fmt: skip
         stack = cls([], "127.0.0.1", port, workdir)
         try:

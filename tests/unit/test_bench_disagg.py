@@ -34,6 +34,17 @@ def test_systems_keep_the_worker_total() -> None:
         systems(4, [(1, 2)], dynamo=False)
 
 
+def test_every_disaggregated_system_runs_once_per_decode_cap_on_its_decode_pool_only() -> None:
+    runs = systems(4, [(3, 1)], dynamo=True, decode_caps=(0, 4))
+    assert [r[0] for r in runs] == [
+        "aggregated 4", "disagg 3:1", "dynamo disagg 3:1", "disagg 3:1, decode cap 4", "dynamo disagg 3:1, decode cap 4"
+    ]  # fmt: skip
+    assert runs[1][2] == ["--prefill-workers", "3", "--decode-workers", "1"]
+    assert runs[3][2][-2:] == ["--decode-flags", "--max-num-seqs 4"]
+    assert runs[2][2] == ["3", "1"]
+    assert runs[4][2] == ["3", "1", "--max-num-seqs", "4"]
+
+
 def test_nearest_rank_percentiles() -> None:
     xs = [float(i) for i in range(1, 11)]
     assert (pct(xs, 0.5), pct(xs, 0.9), pct(xs, 0.99)) == (5.0, 9.0, 10.0)
