@@ -17,6 +17,7 @@ from typing import Any
 from bench.disagg.dynamo_pd import DynamoPD
 from bench.disagg.flow import decode_flow
 from bench.disagg.tiers import bounds, host_tier_verdicts, verdict_table
+from bench.disagg.versus import versus_dynamo, versus_table
 from bench.routing.client import ReplayResult, replay
 from bench.routing.run import machine_info
 from bench.stack import FerryStack, run_cleanly
@@ -248,6 +249,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "bounds": allowed,
         "systems": rows,
         "host_tier": host_tier_verdicts(rows),
+        "versus_dynamo": versus_dynamo(rows),
     }
 
 
@@ -308,6 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table(results["systems"]))
     if results["host_tier"]:
         print(verdict_table(results["host_tier"]))
+    if results["versus_dynamo"]:
+        print(versus_table(results["versus_dynamo"]))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.json}")

@@ -9,6 +9,7 @@ import pytest
 from bench.disagg.__main__ import dynamo_knobs, ferry_flags, long_prompt_workload, pct, summary, systems
 from bench.disagg.flow import decode_flow, decoding_at_once, first_token_cv
 from bench.disagg.tiers import bounds, gap_closed, host_tier_verdicts
+from bench.disagg.versus import versus_dynamo, versus_table
 from bench.routing.client import ReplayResult, RequestResult
 
 
@@ -137,3 +138,25 @@ def test_decode_gaps_leave_out_the_hand_off() -> None:
     assert s["decode_gap_p10_ms"] == pytest.approx(30.0)
     assert s["decode_gap_p90_ms"] == pytest.approx(40.0)
     assert s["first_gap_p50_ms"] == pytest.approx(100.0)
+
+
+def test_each_ferry_split_is_set_against_each_dynamo_row_of_its_split_and_rate() -> None:
+    def row(base: str, rate: float, ttft: float, itl: float, h: int = 0) -> dict[str, object]:
+        return {"base": base, "rate": rate, "host_blocks": h, "ttft_p90_ms": ttft, "itl_p90_ms": itl}
+
+    rows = {
+        "aggregated 4": row("aggregated 4", 1.0, 900.0, 40.0),
+        "disagg 3:1": row("disagg 3:1", 1.0, 2000.0, 64.0),
+        "disagg 3:1, decode cap 4": row("disagg 3:1, decode cap 4", 1.0, 3000.0, 53.0),
+        "disagg 3:1, host 512": row("disagg 3:1", 1.0, 1.0, 1.0, h=512),
+        "disagg 2:2": row("disagg 2:2", 1.0, 500.0, 30.0),
+        "dynamo disagg 3:1": row("dynamo disagg 3:1", 1.0, 4000.0, 58.0),
+        "dynamo disagg 3:1 @ 2/s": row("dynamo disagg 3:1", 2.0, 1.0, 1.0),
+    }
+    got = versus_dynamo(rows)
+    assert [(v["ferry"], v["dynamo"]) for v in got] == [
+        ("disagg 3:1", "dynamo disagg 3:1"), ("disagg 3:1, decode cap 4", "dynamo disagg 3:1")
+    ]  # fmt: skip
+    ratios = [(v["itl_p90_ratio"], v["ttft_p90_ratio"], v["both_at_or_below"]) for v in got]
+    assert ratios == [(1.103, 0.5, False), (0.914, 0.75, True)]
+    assert "| disagg 3:1, decode cap 4 | dynamo disagg 3:1 | 0.91× | 0.75× | yes |" in versus_table(got)
