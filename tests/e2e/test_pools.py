@@ -49,7 +49,10 @@ async def test_each_pool_starts_with_its_own_flags_and_serves_its_part(model_pat
             httpx.AsyncClient(base_url=url, timeout=60) as c,
             c.stream("POST", "/v1/completions", json=body) as r,
         ):
-            assert r.status_code == 200, await r.aread()
+            if r.status_code != 200:
+                # Seen once in a full run, not reproduced alone: a 503 from a produce that stalled 5 s on the fresh
+                # stack's first request. The stack's own lines say where it stalled.
+                pytest.fail(f"{r.status_code} {(await r.aread())!r}\n" + "\n".join(child.tail[-60:]))
             events = [json.loads(d) async for _, d in sse_events(r) if d != "[DONE]"]
         assert r.headers["x-ferry-disagg"] == "remote"
         assert events[-1]["usage"]["completion_tokens"] == 8
