@@ -45,6 +45,28 @@ class Doorbell:
                 await self._rung.wait()
 
 
+# A reader with a doorbell polls at least this long past its fetch wait before it sleeps (`Linger`): a ring can
+# wake it while a fetch sent before the ring is still parked at the broker, which answers it only near the end
+# of its wait (docs/architecture.md, broker quirk "late wake-up"); a poll that ended first would find nothing,
+# and the reader would sleep with the rung record on its way, unread until its fallback poll.
+PAST_FETCH_MS = 15
+
+
+class Linger:
+    """How long a reader with a doorbell polls before it may sleep: its linger, or longer than any of its
+    fetches that may still be parked (the last round's or this one's: an inbox's wait changes between rounds)
+    by PAST_FETCH_MS, so that the fetch after that one, which finds a rung record, is answered too."""
+
+    def __init__(self, linger_ms: int, wait_ms: int) -> None:
+        self._linger_ms = linger_ms
+        self._wait_ms = wait_ms  # the fetch wait of the last round
+
+    def poll_ms(self, wait_ms: int) -> int:
+        """The brief poll of a round whose fetches wait `wait_ms`."""
+        parked, self._wait_ms = max(self._wait_ms, wait_ms), wait_ms
+        return max(self._linger_ms, parked + PAST_FETCH_MS)
+
+
 class SparseRecords:
     """Learns whether a reader's records come sparsely, so it may sleep right after a poll that brought some.
 

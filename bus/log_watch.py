@@ -49,6 +49,11 @@ class FetchWaitAdjuster:
         self._last: dict[TopicPartition, int] = {}
         self._checked_at = 0.0
 
+    @property
+    def wait_ms(self) -> int:
+        """The fetch wait the consumer's next fetches carry."""
+        return int(self._fetcher._fetch_max_wait_ms)
+
     def set_base(self, wait_ms: int) -> None:
         """The fetch wait of a reader that is not lagging (from now on; a stretched one keeps its stretch)."""
         if wait_ms == self._base_ms:

@@ -27,7 +27,7 @@ from aiokafka.errors import KafkaError, OffsetOutOfRangeError
 
 from bus.commits import commit_within, rewind_to_committed
 from bus.consumer import stop_consumer
-from bus.doorbell import Doorbell, SparseRecords
+from bus.doorbell import Doorbell, Linger, SparseRecords
 from bus.log_watch import FetchWaitAdjuster, LogResetWatch, positions_and_ends
 from bus.read_spec import At, Batch, Decoder, Hooks, Options, Own, Start, Subscribe, Tail
 from bus.topics import ensure_topics
@@ -86,6 +86,8 @@ class Reader(Generic[T]):
         self._held: set[TopicPartition] = set()  # paused by the owner (`pause`), not by a sleep
         self._drowsy = False  # the last poll of a reader that may sleep brought nothing
         self._last_poll_ms = options.poll.timeout_ms  # the poll timeout of the last round (its hook's)
+        self._linger = Linger(options.linger_ms, options.fetch_wait_ms)
+        self._lingered_ms = options.linger_ms  # the last round's poll timeout if it might sleep after it
         self._sparse = SparseRecords(options.linger_ms / 1000) if options.sleep_after_records else None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -329,12 +331,13 @@ class Reader(Generic[T]):
             last = self._last_poll_ms
             if hooks.before_sleep is not None:
                 await hooks.before_sleep()
-            await self._sleep(consumer, (last - min(last, self._options.linger_ms)) / 1000)
+            await self._sleep(consumer, (last - min(last, self._lingered_ms)) / 1000)
         if hooks.before_poll is not None:
             poll = await hooks.before_poll() or poll
         # A reader that may sleep polls briefly, and sleeps at the start of the next round if nothing came.
         sleepy = self._may_sleep(hooks, stretch)
-        timeout_ms = min(poll.timeout_ms, self._options.linger_ms) if sleepy else poll.timeout_ms
+        self._lingered_ms = self._linger.poll_ms(stretch.wait_ms)
+        timeout_ms = min(poll.timeout_ms, self._lingered_ms) if sleepy else poll.timeout_ms
         self._last_poll_ms = poll.timeout_ms
         fetched = await consumer.getmany(timeout_ms=timeout_ms, max_records=poll.max_records)
         await stretch.after_poll(bool(fetched))

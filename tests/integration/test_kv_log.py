@@ -8,22 +8,26 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError
 
+from bus.produce import send_and_wait
 from bus.topics import existing_topics
 from kvstore.hashing import block_hashes, chain_seed
 from kvstore.kv_index import KVIndex
 from launch.services import Child, restart_redis, start_redis
+from schemas.kv_events import BlockStored, KVLogRecord
 from schemas.names import RedisKeys, kv_log_topic
 from server import kv_indexer
 from server.frontend import Frontend
@@ -319,3 +323,59 @@ async def test_the_indexer_sleeps_between_records_and_the_writing_worker_rings_i
         return indexer.reader.sleeps > slept
 
     await until(asleep_again, 5)
+
+
+async def test_a_record_rung_while_the_last_fetch_before_the_sleep_is_parked_is_read_at_once(
+    hh: Harness, kafka: str, client: aioredis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker writes its records a flush apart (100 ms, the indexer's fetch wait): here the second is rung the
+    moment the indexer's reader fell asleep, while the fetch of its last poll is still parked at the broker
+    (answered only near the end of its wait: broker quirk "late wake-up"). The woken reader polls until that
+    fetch is back, so the record reaches the mirror at once, not at the sleep's fallback poll (a minute here);
+    with the poll as short as the token path's (20 ms) it failed one run in two to six."""
+    monkeypatch.setattr(kv_indexer, "SLEEP_MS", 60_000)
+    fe, _url = await hh.add_frontend()
+    indexer = fe.indexer
+    assert indexer is not None
+    reader = indexer.reader
+
+    async def asleep() -> bool:
+        return (
+            indexer.caught_up
+            and indexer.doorbell is not None
+            and indexer.doorbell.armed
+            and reader.sleeps > 0
+        )
+
+    await until(asleep, 10)
+    topic = kv_log_topic(MODEL, int(time.time() // fe.settings.kv_log_roll_s))
+    producer = AIOKafkaProducer(bootstrap_servers=kafka, linger_ms=0)
+    await producer.start()
+
+    async def write(seq: int) -> None:
+        record = KVLogRecord("w-direct", 1.0, seq, time.time(), events=[BlockStored([seq])])
+        await send_and_wait(producer, topic, msgspec.msgpack.encode(record), b"w-direct")
+        await client.publish(RedisKeys(prefix).kv_log_bell(MODEL), b"")
+
+    def applied(seq: int) -> Callable[[], Awaitable[bool]]:
+        async def check() -> bool:
+            blocks = indexer.mirror.workers.get("w-direct")
+            return blocks is not None and seq in blocks.device
+
+        return check
+
+    try:
+        before = reader.sleeps
+        await write(1)
+
+        async def asleep_again() -> bool:
+            return reader.sleeps > before
+
+        # Woken, the reader reads the first record, polls once more (that fetch is parked at the broker), and
+        # sleeps: the second record is written the moment it does.
+        await until(asleep_again, 5, period_s=0.001)
+        await write(2)
+        await until(applied(1), 1)
+        await until(applied(2), 5)
+    finally:
+        await producer.stop()

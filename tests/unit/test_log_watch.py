@@ -110,6 +110,7 @@ class Raw:
 
 
 class NoStretch:
+    wait_ms = 100
     stretched = False
 
     async def after_poll(self, got: bool) -> None:

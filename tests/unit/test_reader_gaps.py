@@ -59,6 +59,8 @@ class FakeConsumer:
 
 
 class NoStretch:
+    wait_ms = 100
+
     async def after_poll(self, got: bool) -> None:
         pass
 
