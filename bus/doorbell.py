@@ -38,33 +38,44 @@ class Doorbell:
         """Forget rings so far (the reader is about to fetch, and will see what they announced)."""
         self._rung.clear()
 
-    async def wait(self, timeout_s: float) -> None:
-        """Wait for a ring (at once if one came since the last `clear`), at most `timeout_s`."""
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait for a ring (at once if one came since the last `clear`), at most `timeout_s`; whether one came."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._rung.wait()
+        return self._rung.is_set()
 
 
-# A reader with a doorbell polls at least this long past its fetch wait before it sleeps (`Linger`): a ring can
-# wake it while a fetch sent before the ring is still parked at the broker, which answers it only near the end
-# of its wait (docs/architecture.md, broker quirk "late wake-up"); a poll that ended first would find nothing,
-# and the reader would sleep with the rung record on its way, unread until its fallback poll.
+# How long past its wait a fetch may take to come back (the broker's answer, then the fetch after it) (`ParkedFetch`).
 PAST_FETCH_MS = 15
 
 
-class Linger:
-    """How long a reader with a doorbell polls before it may sleep: its linger, or longer than any of its
-    fetches that may still be parked (the last round's or this one's: an inbox's wait changes between rounds)
-    by PAST_FETCH_MS, so that the fetch after that one, which finds a rung record, is answered too."""
+class ParkedFetch:
+    """Bounds the sleep after a poll that a ring woke but that found nothing while a fetch may still be parked.
 
-    def __init__(self, linger_ms: int, wait_ms: int) -> None:
-        self._linger_ms = linger_ms
-        self._wait_ms = wait_ms  # the fetch wait of the last round
+    A ring can wake a reader while a fetch it sent before the ring is still parked at the broker, which answers
+    it only near the end of its wait (docs/architecture.md, broker quirk "late wake-up"). A brief poll shorter
+    than that wait (the KV log reader's 20 ms against its 100 ms fetches; a busy inbox's paced fetch) ends
+    before the fetch comes back, with the rung record on its way; slept out, it stays unread until the
+    reader's fallback poll. So that sleep lasts only until the fetch must be back: paused partitions keep what
+    it brought, which the next poll returns at once, or that poll's fetch finds the record the ring announced.
+    Polling longer instead would keep a reader whose records come about a fetch wait apart awake throughout.
+    """
 
-    def poll_ms(self, wait_ms: int) -> int:
-        """The brief poll of a round whose fetches wait `wait_ms`."""
+    def __init__(self, wait_ms: int) -> None:
+        self._wait_ms = wait_ms  # the fetch wait of the last poll
+        self._until: float | None = None  # (loop time) when a fetch parked across an empty woken poll is back
+
+    def polled(self, began: float, wait_ms: int, poll_ms: int, woken: bool, fetched: bool) -> None:
+        """A poll that began at `began` (loop time) with fetches waiting `wait_ms` ended; `woken`: a ring ended
+        the sleep before it. A fetch of the poll before may still be parked (an inbox's wait changes)."""
         parked, self._wait_ms = max(self._wait_ms, wait_ms), wait_ms
-        return max(self._linger_ms, parked + PAST_FETCH_MS)
+        back_ms = parked + PAST_FETCH_MS
+        self._until = began + back_ms / 1000 if woken and not fetched and back_ms > poll_ms else None
+
+    def sleep_s(self, timeout_s: float, now: float) -> float:
+        """How long the next sleep lasts, at most `timeout_s`."""
+        return timeout_s if self._until is None else max(0.0, min(timeout_s, self._until - now))
 
 
 class SparseRecords:

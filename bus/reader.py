@@ -27,7 +27,7 @@ from aiokafka.errors import KafkaError, OffsetOutOfRangeError
 
 from bus.commits import commit_within, rewind_to_committed
 from bus.consumer import stop_consumer
-from bus.doorbell import Doorbell, Linger, SparseRecords
+from bus.doorbell import Doorbell, ParkedFetch, SparseRecords
 from bus.log_watch import FetchWaitAdjuster, LogResetWatch, positions_and_ends
 from bus.read_spec import At, Batch, Decoder, Hooks, Options, Own, Start, Subscribe, Tail
 from bus.topics import ensure_topics
@@ -86,8 +86,7 @@ class Reader(Generic[T]):
         self._held: set[TopicPartition] = set()  # paused by the owner (`pause`), not by a sleep
         self._drowsy = False  # the last poll of a reader that may sleep brought nothing
         self._last_poll_ms = options.poll.timeout_ms  # the poll timeout of the last round (its hook's)
-        self._linger = Linger(options.linger_ms, options.fetch_wait_ms)
-        self._lingered_ms = options.linger_ms  # the last round's poll timeout if it might sleep after it
+        self._parked = ParkedFetch(options.fetch_wait_ms)
         self._sparse = SparseRecords(options.linger_ms / 1000) if options.sleep_after_records else None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -325,21 +324,25 @@ class Reader(Generic[T]):
     ) -> None:
         """One poll and everything around it."""
         poll = self._options.poll
+        loop = asyncio.get_running_loop()
+        woken = False
         if self._drowsy and self._may_sleep(hooks, stretch) and self._ends_known():
             # The last poll brought nothing: sleep out the rest of its poll timeout, then poll (also when
             # woken by `finish`, so a last poll reads what arrived meanwhile).
             last = self._last_poll_ms
             if hooks.before_sleep is not None:
                 await hooks.before_sleep()
-            await self._sleep(consumer, (last - min(last, self._lingered_ms)) / 1000)
+            rest_s = (last - min(last, self._options.linger_ms)) / 1000
+            woken = await self._sleep(consumer, self._parked.sleep_s(rest_s, loop.time()))
         if hooks.before_poll is not None:
             poll = await hooks.before_poll() or poll
         # A reader that may sleep polls briefly, and sleeps at the start of the next round if nothing came.
         sleepy = self._may_sleep(hooks, stretch)
-        self._lingered_ms = self._linger.poll_ms(stretch.wait_ms)
-        timeout_ms = min(poll.timeout_ms, self._lingered_ms) if sleepy else poll.timeout_ms
+        timeout_ms = min(poll.timeout_ms, self._options.linger_ms) if sleepy else poll.timeout_ms
         self._last_poll_ms = poll.timeout_ms
+        began, wait_ms = loop.time(), stretch.wait_ms
         fetched = await consumer.getmany(timeout_ms=timeout_ms, max_records=poll.max_records)
+        self._parked.polled(began, wait_ms, timeout_ms, woken, bool(fetched))
         await stretch.after_poll(bool(fetched))
         for tp, records in fetched.items():
             records = self._whole(consumer, tp, records)
@@ -389,8 +392,8 @@ class Reader(Generic[T]):
         consumer = self._consumer
         return consumer is not None and all(consumer.highwater(tp) is not None for tp in consumer.assignment())
 
-    async def _sleep(self, consumer: AIOKafkaConsumer, timeout_s: float) -> None:
-        """No fetches until the doorbell rings or `timeout_s` passes (then the loop polls as usual)."""
+    async def _sleep(self, consumer: AIOKafkaConsumer, timeout_s: float) -> bool:
+        """No fetches until the doorbell rings (True) or `timeout_s` passes (then the loop polls as usual)."""
         bell = self._doorbell
         assert bell is not None
         awake = [tp for tp in consumer.assignment() if tp not in consumer.paused()]
@@ -401,9 +404,10 @@ class Reader(Generic[T]):
         loop = asyncio.get_running_loop()
         began = loop.time()
         try:
-            await bell.wait(timeout_s)
+            rung = await bell.wait(timeout_s)
             if self._sparse is not None:
                 self._sparse.slept(loop.time() - began)
+            return rung
         finally:
             # Rings from now on wake the next sleep: the fetch about to go out sees what they announced
             # only if their records were acknowledged before it.

@@ -330,9 +330,9 @@ async def test_a_record_rung_while_the_last_fetch_before_the_sleep_is_parked_is_
 ) -> None:
     """A worker writes its records a flush apart (100 ms, the indexer's fetch wait): here the second is rung the
     moment the indexer's reader fell asleep, while the fetch of its last poll is still parked at the broker
-    (answered only near the end of its wait: broker quirk "late wake-up"). The woken reader polls until that
-    fetch is back, so the record reaches the mirror at once, not at the sleep's fallback poll (a minute here);
-    with the poll as short as the token path's (20 ms) it failed one run in two to six."""
+    (answered only near the end of its wait: broker quirk "late wake-up"). The woken reader's brief poll (20 ms)
+    ends first; it then sleeps only until that fetch is back and reads what it brought, so the record reaches
+    the mirror at once, not at the sleep's fallback poll (a minute here). Slept out, it failed 1-2 runs in 4-6."""
     monkeypatch.setattr(kv_indexer, "SLEEP_MS", 60_000)
     fe, _url = await hh.add_frontend()
     indexer = fe.indexer
