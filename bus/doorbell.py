@@ -66,12 +66,14 @@ class ParkedFetch:
         self._wait_ms = wait_ms  # the fetch wait of the last poll
         self._until: float | None = None  # (loop time) when a fetch parked across an empty woken poll is back
 
-    def polled(self, began: float, wait_ms: int, poll_ms: int, woken: bool, fetched: bool) -> None:
-        """A poll that began at `began` (loop time) with fetches waiting `wait_ms` ended; `woken`: a ring ended
-        the sleep before it. A fetch of the poll before may still be parked (an inbox's wait changes)."""
+    def polled(self, woke: float | None, wait_ms: int, poll_ms: int, fetched: bool) -> None:
+        """A poll with fetches waiting `wait_ms` ended; `woke`: when (loop time) a ring ended the sleep before it,
+        None if none did. A fetch of the poll before may still be parked (an inbox's wait changes)."""
         parked, self._wait_ms = max(self._wait_ms, wait_ms), wait_ms
         back_ms = parked + PAST_FETCH_MS
-        self._until = began + back_ms / 1000 if woken and not fetched and back_ms > poll_ms else None
+        self._until = None
+        if woke is not None and not fetched and back_ms > poll_ms:
+            self._until = woke + back_ms / 1000
 
     def sleep_s(self, timeout_s: float, now: float) -> float:
         """How long the next sleep lasts, at most `timeout_s`."""

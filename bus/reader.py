@@ -324,8 +324,7 @@ class Reader(Generic[T]):
     ) -> None:
         """One poll and everything around it."""
         poll = self._options.poll
-        loop = asyncio.get_running_loop()
-        woken = False
+        woke: float | None = None  # (loop time) when a ring ended this round's sleep
         if self._drowsy and self._may_sleep(hooks, stretch) and self._ends_known():
             # The last poll brought nothing: sleep out the rest of its poll timeout, then poll (also when
             # woken by `finish`, so a last poll reads what arrived meanwhile).
@@ -333,16 +332,17 @@ class Reader(Generic[T]):
             if hooks.before_sleep is not None:
                 await hooks.before_sleep()
             rest_s = (last - min(last, self._options.linger_ms)) / 1000
-            woken = await self._sleep(consumer, self._parked.sleep_s(rest_s, loop.time()))
+            loop = asyncio.get_running_loop()
+            if await self._sleep(consumer, self._parked.sleep_s(rest_s, loop.time())):
+                woke = loop.time()
         if hooks.before_poll is not None:
             poll = await hooks.before_poll() or poll
         # A reader that may sleep polls briefly, and sleeps at the start of the next round if nothing came.
         sleepy = self._may_sleep(hooks, stretch)
         timeout_ms = min(poll.timeout_ms, self._options.linger_ms) if sleepy else poll.timeout_ms
         self._last_poll_ms = poll.timeout_ms
-        began, wait_ms = loop.time(), stretch.wait_ms
         fetched = await consumer.getmany(timeout_ms=timeout_ms, max_records=poll.max_records)
-        self._parked.polled(began, wait_ms, timeout_ms, woken, bool(fetched))
+        self._parked.polled(woke, stretch.wait_ms, timeout_ms, bool(fetched))
         await stretch.after_poll(bool(fetched))
         for tp, records in fetched.items():
             records = self._whole(consumer, tp, records)

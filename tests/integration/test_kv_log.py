@@ -31,6 +31,7 @@ from schemas.kv_events import BlockStored, KVLogRecord
 from schemas.names import RedisKeys, kv_log_topic
 from server import kv_indexer
 from server.frontend import Frontend
+from server.kv_indexer import KVIndexer
 from tests.harness import Harness, RunningWorker, harness, until
 
 pytestmark = pytest.mark.integration
@@ -90,6 +91,35 @@ async def _serve(url: str, prompts: list[list[int]]) -> list[str]:
             assert r.status_code == 200, r.text
             out.append(r.headers["x-ferry-worker"])
         return out
+
+
+def _asleep(indexer: KVIndexer) -> Callable[[], Awaitable[bool]]:
+    """Whether the indexer caught up with the log and its reader, rung by workers, slept at least once."""
+
+    async def check() -> bool:
+        bell = indexer.doorbell
+        return indexer.caught_up and bell is not None and bell.armed and indexer.reader.sleeps > 0
+
+    return check
+
+
+def _slept_since(indexer: KVIndexer, sleeps: int) -> Callable[[], Awaitable[bool]]:
+    """Whether the indexer's reader fell asleep again since it had slept `sleeps` times."""
+
+    async def check() -> bool:
+        return indexer.reader.sleeps > sleeps
+
+    return check
+
+
+def _mirrored(indexer: KVIndexer, worker_id: str, hashes: list[int]) -> Callable[[], Awaitable[bool]]:
+    """Whether the indexer's mirror holds `hashes` on the device of `worker_id`."""
+
+    async def check() -> bool:
+        blocks = indexer.mirror.workers.get(worker_id)
+        return blocks is not None and set(hashes) <= blocks.device
+
+    return check
 
 
 async def _logged(
@@ -298,31 +328,12 @@ async def test_the_indexer_sleeps_between_records_and_the_writing_worker_rings_i
     indexer = fe.indexer
     assert indexer is not None and indexer.doorbell is not None
     wid = w.worker.settings.worker_id
-
-    async def asleep() -> bool:
-        return (
-            indexer.caught_up
-            and indexer.doorbell is not None
-            and indexer.doorbell.armed
-            and indexer.reader.sleeps > 0
-        )
-
-    await until(asleep, 10)
+    await until(_asleep(indexer), 10)
     slept = indexer.reader.sleeps
     prompt = _prompt(50, 10)
     await _serve(url, [prompt])
-    chain = block_hashes(prompt, BLOCK, chain_seed(MODEL))
-
-    async def mirrored() -> bool:
-        blocks = indexer.mirror.workers.get(wid)
-        return blocks is not None and set(chain) <= blocks.device
-
-    await until(mirrored, 5)
-
-    async def asleep_again() -> bool:
-        return indexer.reader.sleeps > slept
-
-    await until(asleep_again, 5)
+    await until(_mirrored(indexer, wid, block_hashes(prompt, BLOCK, chain_seed(MODEL))), 5)
+    await until(_slept_since(indexer, slept), 5)
 
 
 async def test_a_record_rung_while_the_last_fetch_before_the_sleep_is_parked_is_read_at_once(
@@ -337,17 +348,7 @@ async def test_a_record_rung_while_the_last_fetch_before_the_sleep_is_parked_is_
     fe, _url = await hh.add_frontend()
     indexer = fe.indexer
     assert indexer is not None
-    reader = indexer.reader
-
-    async def asleep() -> bool:
-        return (
-            indexer.caught_up
-            and indexer.doorbell is not None
-            and indexer.doorbell.armed
-            and reader.sleeps > 0
-        )
-
-    await until(asleep, 10)
+    await until(_asleep(indexer), 10)
     topic = kv_log_topic(MODEL, int(time.time() // fe.settings.kv_log_roll_s))
     producer = AIOKafkaProducer(bootstrap_servers=kafka, linger_ms=0)
     await producer.start()
@@ -357,25 +358,14 @@ async def test_a_record_rung_while_the_last_fetch_before_the_sleep_is_parked_is_
         await send_and_wait(producer, topic, msgspec.msgpack.encode(record), b"w-direct")
         await client.publish(RedisKeys(prefix).kv_log_bell(MODEL), b"")
 
-    def applied(seq: int) -> Callable[[], Awaitable[bool]]:
-        async def check() -> bool:
-            blocks = indexer.mirror.workers.get("w-direct")
-            return blocks is not None and seq in blocks.device
-
-        return check
-
     try:
-        before = reader.sleeps
+        before = indexer.reader.sleeps
         await write(1)
-
-        async def asleep_again() -> bool:
-            return reader.sleeps > before
-
         # Woken, the reader reads the first record, polls once more (that fetch is parked at the broker), and
         # sleeps: the second record is written the moment it does.
-        await until(asleep_again, 5, period_s=0.001)
+        await until(_slept_since(indexer, before), 5, period_s=0.001)
         await write(2)
-        await until(applied(1), 1)
-        await until(applied(2), 5)
+        await until(_mirrored(indexer, "w-direct", [1]), 1)
+        await until(_mirrored(indexer, "w-direct", [2]), 5)
     finally:
         await producer.stop()

@@ -17,23 +17,23 @@ TP = TopicPartition("t", 0)
 
 def test_an_empty_poll_after_a_ring_shorter_than_the_fetch_wait_bounds_the_next_sleep() -> None:
     p = ParkedFetch(wait_ms=100)
-    p.polled(began=10.0, wait_ms=100, poll_ms=20, woken=True, fetched=False)
+    p.polled(woke=10.0, wait_ms=100, poll_ms=20, fetched=False)
     assert p.sleep_s(0.98, now=10.02) == pytest.approx((100 + PAST_FETCH_MS) / 1000 - 0.02)
 
 
 def test_the_sleep_is_whole_after_a_poll_that_read_was_not_woken_or_outlasted_the_fetch() -> None:
     for woken, fetched, wait_ms in [(True, True, 100), (False, False, 100), (True, False, 5)]:
         p = ParkedFetch(wait_ms=wait_ms)
-        p.polled(began=10.0, wait_ms=wait_ms, poll_ms=20, woken=woken, fetched=fetched)
+        p.polled(woke=10.0 if woken else None, wait_ms=wait_ms, poll_ms=20, fetched=fetched)
         assert p.sleep_s(0.98, now=10.02) == 0.98
 
 
 def test_a_fetch_of_the_poll_before_counts_when_the_wait_shrank_since() -> None:
     """A busy inbox's paced wait drops back between polls; the fetch sent at the longer one may be parked."""
     p = ParkedFetch(wait_ms=50)
-    p.polled(began=10.0, wait_ms=5, poll_ms=20, woken=True, fetched=False)
+    p.polled(woke=10.0, wait_ms=5, poll_ms=20, fetched=False)
     assert p.sleep_s(0.98, now=10.02) == pytest.approx((50 + PAST_FETCH_MS) / 1000 - 0.02)
-    p.polled(began=11.0, wait_ms=5, poll_ms=20, woken=True, fetched=False)
+    p.polled(woke=11.0, wait_ms=5, poll_ms=20, fetched=False)
     assert p.sleep_s(0.98, now=11.02) == 0.98
 
 
